@@ -1,0 +1,178 @@
+"""Frozen-dataclass schema helpers: build a dataclass from a YAML mapping, reject unknown keys,
+check types and ranges, and name the offending field (``costs.model.target.weight_ms``) on error.
+
+Only the standard library and yaml are used: the runtime must stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class SpectuneError(ValueError):
+    """Base of spectune's typed errors; the CLI prints them as one line and exits 2."""
+
+
+class TableError(SpectuneError):
+    """A policy/profile table is malformed. ``field`` is the dotted path of the culprit."""
+
+    def __init__(self, field: str, reason: str, file: str | os.PathLike[str] | None = None):
+        self.field = field
+        self.reason = reason
+        self.file = str(file) if file is not None else None
+        where = f"{self.file}: " if self.file else ""
+        super().__init__(f"{where}{field}: {reason}" if field else f"{where}{reason}")
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise TableError(path, "must not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except TableError as exc:
+                errors.append(exc.reason)
+        raise TableError(path, errors[0] if len(errors) == 1 else " or ".join(errors))
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise TableError(path, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if value is None:
+        raise TableError(path, "must not be null")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise TableError(path, f"must be a list, got {type(value).__name__}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise TableError(path, f"must have {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value, strict=True)))
+        elem = args[0] if args else Any
+        items = [_convert(elem, v, _join(path, i)) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TableError(path, f"must be a mapping, got {type(value).__name__}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_convert(kt, k, _join(path, str(k))): _convert(vt, v, _join(path, str(k))) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TableError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TableError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TableError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise TableError(path, f"must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported schema type {tp!r} at {path}")
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping; unknown or missing keys raise :class:`TableError`.
+
+    After construction, a ``validate(self, path)`` method on the class (if any) runs range checks.
+    """
+    if not isinstance(data, dict):
+        raise TableError(path, f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise TableError(_join(path, unknown[0]), f"unknown key (allowed: {', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise TableError(_join(path, name), "missing")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], _join(path, name))
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(path)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass tree -> plain YAML-able python objects (tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def require(cond: bool, path: str, reason: str) -> None:
+    if not cond:
+        raise TableError(path, reason)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TableError("", f"cannot read: {exc.strerror or exc}", path) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise TableError("", f"not valid YAML{where}", path) from None
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)

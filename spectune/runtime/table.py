@@ -1,0 +1,286 @@
+"""The spectune table: one versioned YAML file per GPU x model pair.
+
+A *profile* has hardware/software/workload/costs; a *policy table* adds acceptance and policy.
+Each section is a frozen dataclass; ``from_dict`` rejects unknown keys and ``validate`` checks
+ranges, so every error names its field (``policy.rows[2].batch``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from spectune.runtime.schema import (
+    TableError,
+    atomic_write_text,
+    dump_yaml,
+    from_dict,
+    read_yaml,
+    require,
+    to_dict,
+)
+
+SCHEMA = "spectune/1"
+
+DrafterKind = Literal["autoregressive", "parallel"]
+PointKind = Literal["target", "tier", "drafter", "overhead"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str  # torch.cuda.get_device_name(), or "cpu"
+    capability: str | None = None  # "9.0"
+    driver: str | None = None
+    memory_gib: float | None = None
+    power_limit_w: float | None = None
+    sm_count: int | None = None
+
+
+@dataclass(frozen=True)
+class Software:
+    spectune: str
+    torch: str
+    triton: str | None = None
+    python: str | None = None
+    cuda: str | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    target: str  # preset name or checkpoint folder name
+    drafter: str  # e.g. "eagle-1l", "dflash-1l"
+    drafter_kind: DrafterKind
+    drafter_layers: int
+    dtype: Literal["bfloat16", "float16", "float32"]
+    context_len: int
+    max_k: int
+    max_batch: int
+    device: Literal["cuda", "cpu"] = "cuda"
+
+    def validate(self, path: str) -> None:
+        require(self.drafter_layers >= 1, f"{path}.drafter_layers", "must be >= 1")
+        require(self.context_len >= 1, f"{path}.context_len", "must be >= 1")
+        require(0 <= self.max_k <= 64, f"{path}.max_k", "must be in 0..64")
+        require(self.max_batch >= 1, f"{path}.max_batch", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class TargetCost:
+    """Target verification step, roofline-shaped in total step tokens ``n`` (padded to the tier):
+
+    t(n, b, c) = weight_ms + token_ms * n + compute_ms * max(0, n - knee_tokens)
+                 + kv_ms_per_mtok * b * c / 1e6
+    (b = real requests, c = context length; padded rows cost linear layers but read no KV).
+    """
+
+    weight_ms: float
+    token_ms: float
+    knee_tokens: float
+    compute_ms: float
+    kv_ms_per_mtok: float
+
+    def validate(self, path: str) -> None:
+        for name in ("weight_ms", "token_ms", "knee_tokens", "compute_ms", "kv_ms_per_mtok"):
+            require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class DrafterCost:
+    """Drafter cost for K drafts at batch b, context c.
+
+    autoregressive (EAGLE/MTP): K sequential steps of b tokens each;
+    parallel (DFlash-style block): one forward over b*K tokens.
+    t(b, K) = 0 if K == 0 else fixed_ms + steps * (step_ms + token_ms * tokens_per_step
+                                                   + kv_ms_per_mtok * b * c / 1e6)
+    """
+
+    fixed_ms: float
+    step_ms: float
+    token_ms: float
+    kv_ms_per_mtok: float = 0.0
+
+    def validate(self, path: str) -> None:
+        for name in ("fixed_ms", "step_ms", "token_ms", "kv_ms_per_mtok"):
+            require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OverheadCost:
+    """Runtime overhead per step (allocation, packing, acceptance, stats): base_ms + token_ms * n."""
+
+    base_ms: float
+    token_ms: float
+
+
+@dataclass(frozen=True)
+class PowerModel:
+    """Mean board power during a step: idle_w + (busy_w - idle_w) * min(1, n / saturate_tokens)."""
+
+    idle_w: float
+    busy_w: float
+    saturate_tokens: float
+
+
+@dataclass(frozen=True)
+class CostModelParams:
+    target: TargetCost
+    drafter: DrafterCost
+    overhead: OverheadCost
+    power: PowerModel | None = None
+
+
+@dataclass(frozen=True)
+class CostError:
+    held_out: int  # number of held-out points the error was measured on
+    median_rel: float
+    max_rel: float
+
+
+@dataclass(frozen=True)
+class CapturePoint:
+    tokens: int  # tier (token count of the captured verification graph)
+    seconds: float
+    mib: float
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point. target: batch x q tokens/request (tokens = batch*q, all real);
+    tier: `tokens` padded step tokens of which `batch` are real requests;
+    drafter: batch x k drafts; overhead: batch requests, tokens step tokens."""
+
+    kind: PointKind
+    batch: int
+    tokens: int
+    ms: float | None  # None when infeasible (out of memory / resources)
+    q: int | None = None
+    k: int | None = None
+    joules: float | None = None
+    power_w: float | None = None
+    sm_clock_mhz: int | None = None
+    throttle: int | None = None
+    held_out: bool = False
+
+
+@dataclass(frozen=True)
+class Costs:
+    model: CostModelParams
+    error: CostError
+    timer: Literal["cuda-graph", "wall-clock", "fake"] = "cuda-graph"
+    capture: list[CapturePoint] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)
+    measurements: str | None = None  # path of the full CSV/parquet measurement table
+
+
+@dataclass(frozen=True)
+class Row:
+    batch: tuple[int, int]  # inclusive [lo, hi]
+    k: int  # 0 = plain decoding, drafter does not run
+    verify_budget: int  # total draft tokens verified per step (<= batch * k)
+    tier: int | None = None  # smallest captured tier >= hi + verify_budget
+    gain: float | None = None  # simulated goodput / plain decoding, mean over the range
+
+    def validate(self, path: str) -> None:
+        lo, hi = self.batch
+        require(1 <= lo <= hi, f"{path}.batch", f"must be [lo, hi] with 1 <= lo <= hi, got [{lo}, {hi}]")
+        require(self.k >= 0, f"{path}.k", "must be >= 0")
+        require(self.verify_budget >= 0, f"{path}.verify_budget", "must be >= 0")
+        require(self.k > 0 or self.verify_budget == 0, f"{path}.verify_budget", "must be 0 when k is 0")
+
+
+@dataclass(frozen=True)
+class Online:
+    ema: float  # weight of the newest step in the acceptance EMA, (0, 1]
+    hysteresis: float  # relative goodput gain needed before K moves
+    min_k: int = 0
+    max_k: int | None = None
+
+    def validate(self, path: str) -> None:
+        require(0.0 < self.ema <= 1.0, f"{path}.ema", "must be in (0, 1]")
+        require(0.0 <= self.hysteresis < 1.0, f"{path}.hysteresis", "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class Policy:
+    tiers: list[int]
+    rows: list[Row]
+    online: Online
+    objective: str = "goodput"
+
+    def validate(self, path: str) -> None:
+        require(len(self.tiers) > 0, f"{path}.tiers", "must not be empty")
+        require(all(t >= 1 for t in self.tiers), f"{path}.tiers", "must be positive")
+        require(list(self.tiers) == sorted(set(self.tiers)), f"{path}.tiers", "must be strictly increasing")
+        require(len(self.rows) > 0, f"{path}.rows", "must not be empty")
+        expect = 1
+        for i, row in enumerate(self.rows):
+            lo, hi = row.batch
+            if lo != expect:
+                what = "gap" if lo > expect else "overlap"
+                raise TableError(f"{path}.rows[{i}].batch", f"{what}: starts at {lo}, expected {expect}")
+            expect = hi + 1
+            need = hi + row.verify_budget
+            if row.tier is not None:
+                require(row.tier in self.tiers, f"{path}.rows[{i}].tier", f"{row.tier} is not a captured tier")
+            require(
+                self.tiers[-1] >= need,
+                f"{path}.rows[{i}]",
+                f"needs {need} tokens but the largest tier is {self.tiers[-1]}",
+            )
+
+
+@dataclass(frozen=True)
+class Table:
+    schema: str
+    hardware: Hardware
+    software: Software
+    workload: Workload
+    costs: Costs
+    acceptance: dict[str, Any] | None = None
+    policy: Policy | None = None
+    created: str | None = None
+
+    def validate(self, path: str) -> None:
+        require(self.schema == SCHEMA, "schema", f"unsupported version {self.schema!r} (this spectune reads {SCHEMA!r})")
+        if self.policy is not None:
+            require(
+                self.policy.rows[-1].batch[1] >= self.workload.max_batch,
+                "policy.rows",
+                f"cover batch 1..{self.policy.rows[-1].batch[1]}, workload.max_batch is {self.workload.max_batch}",
+            )
+            for i, row in enumerate(self.policy.rows):
+                require(row.k <= self.workload.max_k, f"policy.rows[{i}].k", f"exceeds workload.max_k={self.workload.max_k}")
+
+    @property
+    def is_policy(self) -> bool:
+        return self.policy is not None
+
+
+def table_from_dict(data: Any, file: str | os.PathLike[str] | None = None) -> Table:
+    try:
+        return from_dict(Table, data)
+    except TableError as exc:
+        raise TableError(exc.field, exc.reason, file) from None
+
+
+def read_table(path: str | os.PathLike[str]) -> Table:
+    return table_from_dict(read_yaml(path), path)
+
+
+def table_to_yaml(table: Table) -> str:
+    data = to_dict(table)
+    if data.get("policy") is None:
+        data.pop("policy", None)
+    if data.get("acceptance") is None:
+        data.pop("acceptance", None)
+    return dump_yaml(data)
+
+
+def write_table(table: Table, path: str | os.PathLike[str]) -> None:
+    """Validate by round trip, then write atomically (temporary file + rename)."""
+    text = table_to_yaml(table)
+    import yaml
+
+    table_from_dict(yaml.safe_load(text), path)
+    atomic_write_text(path, text)
