@@ -50,15 +50,19 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             if type(None) in args:
                 return None
             raise TableError(path, "must not be null")
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _convert(options[0], value, path)  # keeps the inner field's path
+        errors: list[TableError] = []
+        for arg in options:
             try:
                 return _convert(arg, value, path)
             except TableError as exc:
-                errors.append(exc.reason)
-        raise TableError(path, errors[0] if len(errors) == 1 else " or ".join(errors))
+                errors.append(exc)
+        deeper = [e for e in errors if e.field != path]
+        if deeper:
+            raise deeper[0]
+        raise TableError(path, " or ".join(e.reason for e in errors))
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
