@@ -22,13 +22,15 @@ from spectune.runtime.table import (
 )
 
 
-def target_ms(p: TargetCost, tokens: float, batch: float, context: float) -> float:
-    # weight-bound floor, then compute-bound past the knee, plus KV read of b x c
+def target_ms(p: TargetCost, tokens: float, batch: float, context: float, *, verify: bool | None = None) -> float:
+    # weight-bound floor, then compute-bound past the knee, plus KV read of b x c;
+    # verify (default: tokens > batch) adds the extra KV cost of query length > 1
+    kv = p.kv_ms_per_mtok + (p.kv_verify_ms_per_mtok if (tokens > batch if verify is None else verify) else 0.0)
     return (
         p.weight_ms
         + p.token_ms * tokens
         + p.compute_ms * max(0.0, tokens - p.knee_tokens)
-        + p.kv_ms_per_mtok * batch * context / 1e6
+        + kv * batch * context / 1e6
     )
 
 

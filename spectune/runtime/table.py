@@ -70,8 +70,10 @@ class TargetCost:
     """Target verification step, roofline-shaped in total step tokens ``n`` (padded to the tier):
 
     t(n, b, c) = weight_ms + token_ms * n + compute_ms * max(0, n - knee_tokens)
-                 + kv_ms_per_mtok * b * c / 1e6
+                 + (kv_ms_per_mtok + kv_verify_ms_per_mtok * [n > b]) * b * c / 1e6
     (b = real requests, c = context length; padded rows cost linear layers but read no KV).
+    kv_verify_ms_per_mtok is the extra KV cost of a verification step (query length > 1) when the
+    attention does not read each request's KV once (e.g. GQA heads expanded per query); 0 when it does.
     """
 
     weight_ms: float
@@ -79,9 +81,10 @@ class TargetCost:
     knee_tokens: float
     compute_ms: float
     kv_ms_per_mtok: float
+    kv_verify_ms_per_mtok: float = 0.0
 
     def validate(self, path: str) -> None:
-        for name in ("weight_ms", "token_ms", "knee_tokens", "compute_ms", "kv_ms_per_mtok"):
+        for name in ("weight_ms", "token_ms", "knee_tokens", "compute_ms", "kv_ms_per_mtok", "kv_verify_ms_per_mtok"):
             require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
 
 
@@ -107,10 +110,12 @@ class DrafterCost:
 
 @dataclass(frozen=True)
 class OverheadCost:
-    """Runtime overhead per step (allocation, packing, acceptance, stats): base_ms + token_ms * n."""
+    """Runtime overhead per step (allocation, packing, acceptance, stats): base_ms + token_ms * n.
+    ``source`` says what was measured (e.g. "packing-metadata": building the packed metadata only)."""
 
     base_ms: float
     token_ms: float
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,10 @@ class Row:
     verify_budget: int  # total draft tokens verified per step (<= batch * k)
     tier: int | None = None  # smallest captured tier >= hi + verify_budget
     gain: float | None = None  # simulated goodput / plain decoding, mean over the range
+    # fixed: budget(b) = min(b*k, verify_budget), tier = smallest captured >= b + budget(b);
+    # fill-tier: budget(b) = min(b*k, tier - b) -- every b of the range fills `tier`
+    # (verify_budget then records the budget at hi).
+    budget_mode: Literal["fixed", "fill-tier"] = "fixed"
 
     def validate(self, path: str) -> None:
         lo, hi = self.batch
@@ -187,6 +196,10 @@ class Row:
         require(self.k >= 0, f"{path}.k", "must be >= 0")
         require(self.verify_budget >= 0, f"{path}.verify_budget", "must be >= 0")
         require(self.k > 0 or self.verify_budget == 0, f"{path}.verify_budget", "must be 0 when k is 0")
+        if self.budget_mode == "fill-tier":
+            require(self.tier is not None, f"{path}.tier", "required when budget_mode is fill-tier")
+            require(self.tier is None or hi + self.verify_budget <= self.tier, f"{path}.verify_budget",
+                    f"hi + verify_budget = {hi + self.verify_budget} exceeds tier {self.tier}")
 
 
 @dataclass(frozen=True)
@@ -195,10 +208,15 @@ class Online:
     hysteresis: float  # relative goodput gain needed before K moves
     min_k: int = 0
     max_k: int | None = None
+    prior: list[float] | None = None  # conditional per-position acceptance tuned on, [max_k]
 
     def validate(self, path: str) -> None:
         require(0.0 < self.ema <= 1.0, f"{path}.ema", "must be in (0, 1]")
         require(0.0 <= self.hysteresis < 1.0, f"{path}.hysteresis", "must be in [0, 1)")
+        require(self.min_k >= 0, f"{path}.min_k", "must be >= 0")
+        require(self.max_k is None or self.max_k >= self.min_k, f"{path}.max_k", "must be >= min_k")
+        if self.prior is not None:
+            require(all(0.0 <= a <= 1.0 for a in self.prior), f"{path}.prior", "must be in [0, 1]")
 
 
 @dataclass(frozen=True)

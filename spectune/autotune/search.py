@@ -1,0 +1,377 @@
+"""Policy search: which tiers to capture, and K / verify budget per batch size.
+
+Structure (an outer Optuna study, an inner enumeration):
+- ``OperatingGrid``: for every batch b in 1..max_batch, draft length K in 0..max_k and candidate
+  tier t >= b of a fixed universe, the step with budget B = min(b*K, t - b) (a step pays for its
+  tier, so filling it is free) -- expected tokens (analytic, survival allocation), step ms and
+  J/token. Computed once.
+- Optuna searches the tier set (one on/off decision per universe tier, under the capture memory
+  and seconds budgets); for a tier set, each b independently picks its best candidate (its own
+  operating point). The study starts from two enqueued tier sets: all tiers (when they fit the
+  budgets) and a greedy value-per-cost set.
+- Rows: adjacent batch sizes with the same (K, tier) merge into one ``fill-tier`` row (budget at b
+  is min(b*K, tier - b)); adjacent K = 0 batch sizes merge into one plain row. The K = 0 cut-off
+  is therefore derived: every b whose best step does not beat plain decoding gets K = 0.
+
+Objectives (per b, then averaged over b against the all-tiers optimum):
+  goodput: tokens/s;  energy: tokens/J;  latency: tokens/s subject to step ms <= bound (a step's
+  ms bounds every inter-token latency of that step, so it is a safe p99 proxy).
+``pareto``: NSGA-II over the tier set, an energy weight and a step-ms cap; objectives mean gain
+vs plain (max), mean J/token vs plain (min), mean step ms vs plain (min, p99 proxy).
+Online correction settings are defaults (``DEFAULT_ONLINE``), not searched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import optuna
+
+from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.simulator import Mixture, expected_tokens
+from spectune.runtime.costs import CostModel
+from spectune.runtime.planner import smallest_tier, step_ms
+from spectune.runtime.schema import SpectuneError
+from spectune.runtime.table import CapturePoint, Online, Policy, Row
+
+Objective = Literal["goodput", "energy", "latency"]
+DEFAULT_ONLINE = {"ema": 0.05, "hysteresis": 0.1, "min_k": 1}
+
+
+class SearchError(SpectuneError):
+    """The search cannot run (bad budget, missing capture or power data, nothing feasible)."""
+
+
+def tier_universe(max_batch: int, max_k: int) -> list[int]:
+    """Candidate tiers: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5x) up to b*(K+1), every
+    multiple of 8 up to max_batch (plain decoding pads little), and max_batch itself."""
+    top = max_batch * (max_k + 1)
+    out, p = {max_batch, *range(8, max_batch + 1, 8)}, 1
+    while p <= top:
+        out.add(p)
+        if p >= 2 and p * 3 // 2 <= top:
+            out.add(p * 3 // 2)
+        p *= 2
+    out.add(top)
+    return sorted(out)
+
+
+def capture_costs(points: Sequence[CapturePoint], tiers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(MiB, seconds) per tier, linear in tokens between measured tiers, extended past them."""
+    if not points:
+        return np.zeros(len(tiers)), np.zeros(len(tiers))
+    pts = sorted(points, key=lambda p: p.tokens)
+    x = np.array([p.tokens for p in pts], dtype=float)
+    t = np.asarray(tiers, dtype=float)
+
+    def interp(y: np.ndarray) -> np.ndarray:
+        out = np.interp(t, x, y)
+        if len(x) >= 2:
+            lo = (y[1] - y[0]) / (x[1] - x[0]) if x[1] > x[0] else 0.0
+            hi = (y[-1] - y[-2]) / (x[-1] - x[-2]) if x[-1] > x[-2] else 0.0
+            out = np.where(t < x[0], y[0] + lo * (t - x[0]), out)
+            out = np.where(t > x[-1], y[-1] + hi * (t - x[-1]), out)
+        return np.maximum(out, 0.0)
+
+    return interp(np.array([p.mib for p in pts])), interp(np.array([p.seconds for p in pts]))
+
+
+@dataclass
+class OperatingGrid:
+    """Candidate step shapes per batch size. Per b (index b - 1), arrays over candidates."""
+
+    universe: list[int]
+    k: list[np.ndarray]  # [n_cand] draft length
+    budget: list[np.ndarray]  # [n_cand] B
+    tier_idx: list[np.ndarray]  # [n_cand] index into universe
+    tokens: list[np.ndarray]  # [n_cand] expected emitted tokens per step
+    ms: list[np.ndarray]  # [n_cand] step ms
+    joules: list[np.ndarray]  # [n_cand] J per step (nan without a power model)
+    plain_tok_s: np.ndarray  # [max_batch] K = 0 with an exact graph (no padding)
+    plain_ms: np.ndarray  # [max_batch]
+    plain_j_tok: np.ndarray  # [max_batch]
+    fixed_tok_s: np.ndarray  # [max_batch, max_k + 1] fixed K, full budget, exact graph
+
+    @classmethod
+    def build(cls, cost: CostModel, acceptance: AcceptanceModel, *, max_batch: int, max_k: int,
+              universe: Sequence[int] | None = None) -> OperatingGrid:
+        uni = list(universe) if universe is not None else tier_universe(max_batch, max_k)
+        mix = Mixture.of(acceptance, max(max_k, 1))
+        g = cls(uni, [], [], [], [], [], [], np.zeros(max_batch), np.zeros(max_batch),
+                np.zeros(max_batch), np.zeros((max_batch, max_k + 1)))
+        tiers = np.array(uni)
+
+        def joule(tokens: int, ms: float) -> float:
+            w = cost.power_w(tokens)
+            return math.nan if w is None else w * ms / 1000.0
+
+        for b in range(1, max_batch + 1):
+            idx = np.nonzero(tiers >= b)[0]
+            ks, bs, ts, tok, ms, js = [], [], [], [], [], []
+            for k in range(max_k + 1):
+                budgets = np.minimum(b * k, tiers[idx] - b)
+                keep = idx if k == 0 else idx[budgets > 0]
+                budgets = budgets[budgets > 0] if k else np.zeros(len(idx), np.int64)
+                if not len(keep):
+                    continue
+                tk = expected_tokens(mix, b, k, budgets)
+                for t_i, bud, e in zip(keep, budgets, tk, strict=True):
+                    t = int(tiers[t_i])
+                    m = step_ms(cost, b, k, t)
+                    ks.append(k), bs.append(int(bud)), ts.append(int(t_i)), tok.append(float(e))
+                    ms.append(m), js.append(joule(t, m))
+                exact = b * (k + 1)
+                m_exact = step_ms(cost, b, k, exact)
+                g.fixed_tok_s[b - 1, k] = float(expected_tokens(mix, b, k, [b * k])[0]) / m_exact * 1000
+                if k == 0:
+                    g.plain_ms[b - 1] = m_exact
+                    g.plain_tok_s[b - 1] = b / m_exact * 1000
+                    g.plain_j_tok[b - 1] = joule(b, m_exact) / b
+            for lst, vals in zip((g.k, g.budget, g.tier_idx, g.tokens, g.ms, g.joules),
+                                 (ks, bs, ts, tok, ms, js), strict=True):
+                lst.append(np.array(vals))
+        return g
+
+    @property
+    def max_batch(self) -> int:
+        return len(self.k)
+
+
+@dataclass(frozen=True)
+class Choice:
+    batch: int
+    k: int
+    budget: int
+    tier: int
+    tok_s: float
+    step_ms: float
+    joules_per_token: float | None
+    gain: float  # vs plain decoding with an exact graph
+    gain_vs_fixed: float  # vs the best of plain and fixed K = 1..max_k (exact graphs)
+
+
+def choose(grid: OperatingGrid, mask: np.ndarray, *, objective: Objective = "goodput",
+           latency_bound_ms: float | None = None, energy_weight: float | None = None) -> list[Choice] | None:
+    """Best candidate per batch size among the tiers in ``mask``; None if some b has none."""
+    out = []
+    for i in range(grid.max_batch):
+        ok = mask[grid.tier_idx[i]]
+        if latency_bound_ms is not None:
+            within = ok & (grid.ms[i] <= latency_bound_ms)
+            ok = within if within.any() else ok & (grid.k[i] == 0)
+        if not ok.any():
+            return None
+        tok_s = grid.tokens[i] / grid.ms[i]
+        if energy_weight is not None:
+            score = (1 - energy_weight) * np.log(tok_s) + energy_weight * np.log(grid.tokens[i] / grid.joules[i])
+        elif objective == "energy":
+            score = grid.tokens[i] / grid.joules[i]
+        else:
+            score = tok_s
+        # prefer plain decoding on ties (no drafter to run)
+        score = np.where(ok, score - 1e-12 * np.abs(score) * (grid.k[i] > 0), -np.inf)
+        j = int(np.argmax(score))
+        b = i + 1
+        tps = float(tok_s[j]) * 1000
+        jt = float(grid.joules[i][j] / grid.tokens[i][j])
+        out.append(Choice(b, int(grid.k[i][j]), int(grid.budget[i][j]), grid.universe[grid.tier_idx[i][j]],
+                          tps, float(grid.ms[i][j]), None if math.isnan(jt) else jt,
+                          tps / grid.plain_tok_s[i], tps / float(grid.fixed_tok_s[i].max())))
+    return out
+
+
+def _score(choices: list[Choice], ideal: list[Choice], objective: Objective) -> float:
+    if objective == "energy":
+        return float(np.mean([c_i.joules_per_token / c.joules_per_token  # type: ignore[operator]
+                              for c, c_i in zip(choices, ideal, strict=True)]))
+    return float(np.mean([c.tok_s / c_i.tok_s for c, c_i in zip(choices, ideal, strict=True)]))
+
+
+def rows_from_choices(choices: list[Choice]) -> list[Row]:
+    rows: list[Row] = []
+    groups: list[list[Choice]] = []
+    for c in choices:
+        last = groups[-1][-1] if groups else None
+        if last is not None and last.k == c.k and (c.k == 0 or last.tier == c.tier):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    for grp in groups:
+        lo, hi, top = grp[0].batch, grp[-1].batch, grp[-1]
+        gain = round(float(np.mean([c.gain for c in grp])), 4)
+        if top.k == 0:
+            rows.append(Row((lo, hi), 0, 0, tier=top.tier, gain=gain))
+        else:
+            rows.append(Row((lo, hi), top.k, top.budget, tier=top.tier, gain=gain, budget_mode="fill-tier"))
+    return rows
+
+
+@dataclass(frozen=True)
+class FrontPoint:
+    trial: int
+    gain: float  # mean goodput / plain over batch sizes
+    energy_ratio: float | None  # mean J/token / plain
+    latency_ratio: float  # mean step ms / plain (p99 inter-token latency proxy)
+    tiers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    policy: Policy
+    choices: list[Choice]
+    capture_mib: float
+    capture_seconds: float
+    k0_cutoff: int  # smallest batch from which K = 0 throughout (max_batch + 1: none)
+    trials: int
+    front: list[FrontPoint]
+
+
+@dataclass(frozen=True)
+class Budget:
+    mib: float | None = None
+    seconds: float | None = None
+
+    def excess(self, mib: float, seconds: float) -> float:
+        e = 0.0
+        if self.mib is not None:
+            e += max(0.0, mib - self.mib) / max(self.mib, 1e-9)
+        if self.seconds is not None:
+            e += max(0.0, seconds - self.seconds) / max(self.seconds, 1e-9)
+        return e
+
+
+def _greedy_mask(grid: OperatingGrid, required: int, mib: np.ndarray, sec: np.ndarray, budget: Budget,
+                 score_fn) -> np.ndarray:
+    mask = np.zeros(len(grid.universe), bool)
+    mask[required] = True
+    best = score_fn(mask)
+    while True:
+        pick, pick_val = None, 0.0
+        for t in np.nonzero(~mask)[0]:
+            trial = mask.copy()
+            trial[t] = True
+            if budget.excess(float(mib[trial].sum()), float(sec[trial].sum())) > 0:
+                continue
+            gain = score_fn(trial) - best
+            weight = (mib[t] / budget.mib if budget.mib else 0.0) + (sec[t] / budget.seconds if budget.seconds else 0.0)
+            val = gain / max(weight, 1e-6)
+            if gain > 1e-9 and val > pick_val:
+                pick, pick_val = t, val
+        if pick is None:
+            return mask
+        mask[pick] = True
+        best = score_fn(mask)
+
+
+def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: int, max_k: int,
+                  capture: Sequence[CapturePoint] = (), objective: Objective = "goodput",
+                  capture_budget_mib: float | None = None, capture_seconds: float | None = None,
+                  latency_bound_ms: float | None = None, trials: int = 40, seed: int = 0,
+                  pareto: bool = False, grid: OperatingGrid | None = None) -> SearchResult:
+    if objective not in ("goodput", "energy", "latency"):
+        raise SearchError(f"objective must be goodput, energy or latency, got {objective!r}")
+    if objective == "latency" and latency_bound_ms is None:
+        raise SearchError("objective latency needs --latency-bound-ms")
+    if (objective == "energy" or pareto) and cost.power_w(1) is None:
+        raise SearchError("costs.model.power: missing, needed for the energy objective")
+    budget = Budget(capture_budget_mib, capture_seconds)
+    if (budget.mib is not None or budget.seconds is not None) and not capture:
+        raise SearchError("costs.capture: no capture measurements, needed for a capture budget")
+    for name, v in (("capture_budget_mib", budget.mib), ("capture_seconds", budget.seconds)):
+        if v is not None and v <= 0:
+            raise SearchError(f"{name}: must be > 0, got {v}")
+    grid = grid or OperatingGrid.build(cost, acceptance, max_batch=max_batch, max_k=max_k)
+    uni = grid.universe
+    mib, sec = capture_costs(capture, uni)
+    required = uni.index(smallest_tier(uni, max_batch))  # plain decoding at max_batch must fit
+    if budget.excess(float(mib[required]), float(sec[required])) > 0:
+        raise SearchError(f"capture budget: the tier for max_batch={max_batch} alone needs "
+                          f"{mib[required]:.0f} MiB / {sec[required]:.1f} s")
+    bound = latency_bound_ms if objective == "latency" else None
+    all_mask = np.ones(len(uni), bool)
+    ideal = choose(grid, all_mask, objective=objective, latency_bound_ms=bound)
+    assert ideal is not None
+
+    def score_fn(mask: np.ndarray) -> float:
+        ch = choose(grid, mask, objective=objective, latency_bound_ms=bound)
+        return -1.0 if ch is None else _score(ch, ideal, objective)
+
+    free = [i for i in range(len(uni)) if i != required]
+
+    def mask_of(trial: optuna.trial.BaseTrial) -> np.ndarray:
+        m = np.zeros(len(uni), bool)
+        m[required] = True
+        for i in free:
+            m[i] = bool(trial.suggest_categorical(f"tier_{uni[i]}", [True, False]))
+        return m
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    starts = [all_mask] if budget.excess(float(mib.sum()), float(sec.sum())) == 0 else []
+    starts.append(_greedy_mask(grid, required, mib, sec, budget, score_fn))
+    front: list[FrontPoint] = []
+    if pareto:
+        study = _pareto_study(grid, mask_of, mib, sec, budget, trials, seed, starts, free, uni, front)
+        best_trial = max(study.best_trials, key=lambda t: t.values[0] if objective != "energy" else -t.values[1])
+        mask = mask_of(optuna.trial.FixedTrial(best_trial.params))
+        ew, cap = best_trial.params["energy_weight"], best_trial.params["step_cap_ms"]
+        choices = choose(grid, mask, latency_bound_ms=cap, energy_weight=ew)
+    else:
+        def objective_fn(trial: optuna.trial.Trial) -> float:
+            m = mask_of(trial)
+            excess = budget.excess(float(mib[m].sum()), float(sec[m].sum()))
+            return -excess if excess > 0 else score_fn(m)
+
+        study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+        for m in starts:
+            study.enqueue_trial({f"tier_{uni[i]}": bool(m[i]) for i in free})
+        study.optimize(objective_fn, n_trials=max(trials, len(starts)))
+        mask = mask_of(optuna.trial.FixedTrial(study.best_trial.params))
+        choices = choose(grid, mask, objective=objective, latency_bound_ms=bound)
+    if choices is None:
+        raise SearchError("no feasible tier set found")
+    used = sorted({c.tier for c in choices})
+    used_idx = [uni.index(t) for t in used]
+    cutoff = max_batch + 1
+    for c in reversed(choices):
+        if c.k > 0:
+            break
+        cutoff = c.batch
+    online = Online(DEFAULT_ONLINE["ema"], DEFAULT_ONLINE["hysteresis"], min_k=int(DEFAULT_ONLINE["min_k"]),
+                    max_k=max_k, prior=[round(a, 6) for a in acceptance.mean_conditional()[:max_k]])
+    policy = Policy(tiers=used, rows=rows_from_choices(choices), online=online,
+                    objective="pareto" if pareto else objective)
+    return SearchResult(policy, choices, float(mib[used_idx].sum()), float(sec[used_idx].sum()), cutoff,
+                        len(study.trials), front)
+
+
+def _pareto_study(grid, mask_of, mib, sec, budget, trials, seed, starts, free, uni, front) -> optuna.Study:
+    step_max = float(max(m.max() for m in grid.ms))
+    step_min = float(grid.plain_ms.min())
+
+    def evaluate(trial: optuna.trial.BaseTrial) -> tuple[float, float, float]:
+        m = mask_of(trial)
+        ew = trial.suggest_float("energy_weight", 0.0, 1.0)
+        cap = trial.suggest_float("step_cap_ms", step_min, step_max, log=True)
+        excess = budget.excess(float(mib[m].sum()), float(sec[m].sum()))
+        ch = choose(grid, m, latency_bound_ms=cap, energy_weight=ew)
+        if excess > 0 or ch is None:
+            return -excess - 1.0, 1e9, 1e9
+        gain = float(np.mean([c.gain for c in ch]))
+        e = float(np.mean([c.joules_per_token / grid.plain_j_tok[c.batch - 1] for c in ch]))  # type: ignore[operator]
+        lat = float(np.mean([c.step_ms / grid.plain_ms[c.batch - 1] for c in ch]))
+        return gain, e, lat
+
+    study = optuna.create_study(directions=["maximize", "minimize", "minimize"],
+                                sampler=optuna.samplers.NSGAIISampler(seed=seed))
+    for m in starts:
+        study.enqueue_trial({**{f"tier_{uni[i]}": bool(m[i]) for i in free},
+                             "energy_weight": 0.0, "step_cap_ms": step_max})
+    study.optimize(evaluate, n_trials=max(trials, len(starts)))
+    for t in sorted(study.best_trials, key=lambda t: -t.values[0]):
+        tiers = tuple(u for u in uni if t.params.get(f"tier_{u}", True))
+        front.append(FrontPoint(t.number, t.values[0], t.values[1], t.values[2], tiers))
+    return study

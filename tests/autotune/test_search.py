@@ -1,0 +1,113 @@
+import pytest
+
+from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.search import SearchError, capture_costs, search_policy, tier_universe
+from spectune.autotune.tuner import tune_table
+from spectune.cli import main
+from spectune.runtime.costs import CostModel
+from spectune.runtime.planner import Planner
+from spectune.runtime.table import (
+    SCHEMA,
+    CapturePoint,
+    CostError,
+    CostModelParams,
+    Costs,
+    DrafterCost,
+    Hardware,
+    OverheadCost,
+    PowerModel,
+    Software,
+    Table,
+    TargetCost,
+    Workload,
+    read_table,
+    write_table,
+)
+
+# free up to 40 step tokens, then 1 ms per token; drafts past position 4 are never accepted:
+# the best K is 4 while 5b <= 40 (b <= 8) and plain decoding from b = 64
+KNEE = CostModelParams(TargetCost(10.0, 0.0, 40, 1.0, 0.0), DrafterCost(0.0, 0.5, 0.0),
+                       OverheadCost(0.0, 0.0), PowerModel(100.0, 300.0, 64))
+ACC = AcceptanceModel.from_survival([0.9, 0.8, 0.7, 0.6, 0.0, 0.0], max_k=6, source="test")
+CAPTURE = [CapturePoint(1, 0.1, 10.0), CapturePoint(64, 0.2, 30.0), CapturePoint(448, 0.6, 120.0)]
+
+
+def knee_search(**kw):
+    cost = CostModel(KNEE, "autoregressive", 128)
+    return search_policy(cost, ACC, max_batch=64, max_k=6, capture=CAPTURE, trials=8, **kw)
+
+
+def test_recovers_known_optimum_and_covers_rows():
+    res = knee_search(seed=1)
+    ks = {c.batch: c.k for c in res.choices}
+    assert all(ks[b] == 4 for b in range(1, 9))
+    assert ks[64] == 0 and res.k0_cutoff <= 64
+    rows = res.policy.rows
+    assert rows[0].batch[0] == 1 and rows[-1].batch[1] == 64
+    assert all(a.batch[1] + 1 == b.batch[0] for a, b in zip(rows, rows[1:], strict=False))
+    assert all(c.gain > 1.5 for c in res.choices[:8])
+    assert all(c.gain >= 0.99 for c in res.choices if c.batch % 8 == 0)  # tiers without padding
+    planner = Planner(_profile(KNEE, 64, 6, policy=res.policy))
+    assert planner.plan(8).k == 4 and planner.plan(64).k == 0
+
+
+def test_reproducible_with_seed_and_budget_respected():
+    a = knee_search(seed=3, capture_budget_mib=80.0)
+    b = knee_search(seed=3, capture_budget_mib=80.0)
+    assert a.policy == b.policy
+    assert a.capture_mib <= 80.0
+    assert len(a.policy.tiers) < len(knee_search(seed=3).policy.tiers)
+
+
+def test_capture_interpolation():
+    mib, sec = capture_costs(CAPTURE, [1, 32, 64, 832])
+    assert mib[0] == pytest.approx(10.0) and mib[2] == pytest.approx(30.0)
+    assert 10.0 < mib[1] < 30.0 and mib[3] > 120.0
+    assert tier_universe(16, 7)[-1] == 128
+
+
+def test_errors_name_the_field():
+    cost = CostModel(KNEE, "autoregressive", 128)
+    with pytest.raises(SearchError, match="costs.capture"):
+        search_policy(cost, ACC, max_batch=8, max_k=6, capture_budget_mib=100.0, trials=2)
+    with pytest.raises(SearchError, match="latency"):
+        search_policy(cost, ACC, max_batch=8, max_k=6, objective="latency", trials=2)
+
+
+def test_latency_objective_bounds_step_ms():
+    res = knee_search(seed=0, objective="latency", latency_bound_ms=11.0)
+    assert all(c.step_ms <= 11.0 or c.k == 0 for c in res.choices)
+    assert max(c.k for c in res.choices) <= 2  # K sequential drafter steps cost 0.5 ms each
+
+
+def test_pareto_front():
+    res = knee_search(seed=0, pareto=True)
+    assert res.front and res.policy.objective == "pareto"
+
+
+def _profile(params, max_batch, max_k, policy=None) -> Table:
+    return Table(SCHEMA, Hardware("cpu"), Software("0.1.0", "2.13"),
+                 Workload("tiny", "eagle-1l", "autoregressive", 1, "float32", 256, max_k, max_batch, "cpu"),
+                 Costs(params, CostError(1, 0.0, 0.0), timer="wall-clock", capture=CAPTURE), policy=policy)
+
+
+def test_tune_table_cpu_default(tmp_path):
+    params = CostModelParams(TargetCost(2.0, 0.01, 64, 0.05, 5.0), DrafterCost(0.02, 0.2, 0.002),
+                             OverheadCost(0.05, 0.0), None)
+    table = tune_table(_profile(params, 16, 7), None, trials=10)
+    assert table.policy is not None and table.acceptance is not None
+    assert AcceptanceModel.from_dict(table.acceptance).max_k == 7
+    write_table(table, tmp_path / "p.yaml")
+    assert read_table(tmp_path / "p.yaml").policy == table.policy
+
+
+def test_cli_tune(tmp_path, capsys):
+    prof = tmp_path / "profile.yaml"
+    write_table(_profile(KNEE, 16, 6), prof)
+    out = tmp_path / "policy.yaml"
+    rc = main(["tune", str(prof), "--acceptance", "curve:0.9,0.8,0.7,0.6", "--out", str(out), "--trials", "4"])
+    assert rc == 0 and read_table(out).policy is not None
+    assert "wrote" in capsys.readouterr().out
+    rc = main(["tune", str(prof), "--acceptance", "nonsense", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "acceptance" in err

@@ -1,0 +1,96 @@
+import numpy as np
+import pytest
+
+from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.simulator import (
+    FixedK,
+    InvalidPolicy,
+    Mixture,
+    expected_goodput,
+    expected_tokens,
+    simulate,
+)
+from spectune.runtime.costs import CostModel
+from spectune.runtime.planner import Plan
+from spectune.runtime.table import (
+    CostModelParams,
+    DrafterCost,
+    OverheadCost,
+    PowerModel,
+    TargetCost,
+)
+
+
+def constant_cost(ms: float = 10.0, power: bool = True) -> CostModel:
+    p = CostModelParams(TargetCost(ms, 0.0, 1e9, 0.0, 0.0), DrafterCost(0.0, 0.0, 0.0),
+                        OverheadCost(0.0, 0.0), PowerModel(100.0, 100.0, 1.0) if power else None)
+    return CostModel(p, "autoregressive", 128)
+
+
+def curve(*s: float, max_k: int | None = None) -> AcceptanceModel:
+    return AcceptanceModel.from_survival(list(s), max_k=max_k or len(s), source="test")
+
+
+def test_one_request_hand_case():
+    acc = curve(0.5, 0.25)
+    assert expected_tokens(Mixture.of(acc), 1, 2, [0, 1, 2]) == pytest.approx([1.0, 1.5, 1.75])
+    assert expected_goodput(constant_cost(10.0), acc, 1, 2, 2, 3) == pytest.approx(175.0)
+
+
+def test_survival_allocation_prefers_easy_requests():
+    # two classes: easy s = [0.9, 0.8], hard s = [0.1, 0.01]; b = 2, budget 2
+    mix = Mixture(np.array([0.5, 0.5]), np.array([[0.9, 0.8 / 0.9], [0.1, 0.1]]),
+                  np.array([[0.9, 0.8], [0.1, 0.01]]))
+    surv = expected_tokens(mix, 2, 2, [2], "survival")[0]
+    uni = expected_tokens(mix, 2, 2, [2], "uniform")[0]
+    # counts: (2 easy) p=.25 -> 1.8; (1,1) p=.5 -> 0.9+0.8; (2 hard) p=.25 -> 0.2
+    assert surv == pytest.approx(2 + 0.25 * 1.8 + 0.5 * 1.7 + 0.25 * 0.2)
+    assert uni == pytest.approx(2 + 2 * 0.5)  # each request one draft: 2 * mean s_1
+    assert surv > uni
+
+
+def test_full_budget_equals_mean_curve():
+    mix = Mixture.of(AcceptanceModel.mixture_with_same_mean([0.8, 0.6, 0.4], max_k=3, spread=0.8))
+    mean = mix.weights @ mix.survival
+    for b in (1, 3, 7):
+        assert expected_tokens(mix, b, 3, [3 * b])[0] == pytest.approx(b * (1 + mean.sum()))
+
+
+def test_monte_carlo_matches_expectation():
+    acc = curve(0.8, 0.6, 0.4)
+    cost = constant_cost()
+    res = simulate(cost, acc, FixedK(3), concurrency=4, steps=3000, seed=3, mean_output_tokens=1e9)
+    assert res.mean_accept_len == pytest.approx(1 + 0.8 + 0.6 + 0.4, rel=0.03)
+    assert res.goodput_tok_s == pytest.approx(4 * 2.8 / 10.0 * 1000, rel=0.03)
+    assert res.joules_per_token == pytest.approx(100 * 0.010 / (4 * 2.8), rel=0.03)
+    assert res.k_hist == {3: 3000}
+    assert res.itl_p99_ms == pytest.approx(10.0)  # requests that emit one token wait a whole step
+    assert res.itl_p50_ms < res.itl_p99_ms
+
+
+def test_seeded_and_deterministic():
+    acc = AcceptanceModel.mixture_with_same_mean([0.8, 0.6, 0.4], max_k=3)
+    kw = dict(concurrency=5, steps=200, mean_output_tokens=20.0)
+    a = simulate(constant_cost(), acc, FixedK(2), seed=7, **kw)
+    b = simulate(constant_cost(), acc, FixedK(2), seed=7, **kw)
+    assert a == b
+    assert a.requests_done > 0
+
+
+def test_plain_and_invalid_policy():
+    res = simulate(constant_cost(power=False), curve(0.8), FixedK(0), concurrency=3, steps=10)
+    assert res.mean_accept_len == 1.0 and res.joules_per_token is None
+
+    class TooBig:
+        def plan(self, b):
+            return Plan(2, 2 * b, b)  # tier smaller than b + budget
+
+    with pytest.raises(InvalidPolicy, match="no captured tier"):
+        simulate(constant_cost(), curve(0.8, 0.5), TooBig(), concurrency=2, steps=5)
+
+
+def test_drift_scale_lowers_acceptance():
+    acc = curve(0.9, 0.8)
+    hi = simulate(constant_cost(), acc, FixedK(2), concurrency=4, steps=500, seed=1)
+    lo = simulate(constant_cost(), acc, FixedK(2), concurrency=4, steps=500, seed=1, accept_scale=0.3)
+    assert lo.mean_accept_len < hi.mean_accept_len
