@@ -1,0 +1,136 @@
+import dataclasses
+
+import pytest
+import torch
+
+from spectune.kernels.meta import AttnMeta
+from spectune.models.attention import DenseTorchAttention
+from spectune.models.config import ModelArgs
+from spectune.models.decoder import Transformer
+from spectune.models.drafters import BlockDrafter, EagleDrafter, greedy_confidence
+
+TINY = ModelArgs.from_name("tiny")
+
+
+def build(dtype=torch.float64, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return Transformer(TINY, device="cpu", dtype=dtype, generator=g, **kw)
+
+
+def fresh_cache(n_layers, batch, ctx_max, max_q, dtype=torch.float64, causal=True):
+    return DenseTorchAttention(n_layers, batch, ctx_max, max_q, TINY.n_kv_heads, TINY.head_dim,
+                               dtype=dtype, causal=causal)
+
+
+def test_incremental_steps_match_one_prefill():
+    model = build()
+    length = 7
+    ids = torch.randint(1, TINY.vocab_size, (2 * length,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(length).repeat(2)
+    model.backend = fresh_cache(TINY.n_layers, 2, 16, length)
+    full = model(ids, pos, AttnMeta.from_lens([length, length], [0, 0]))
+
+    model.backend = fresh_cache(TINY.n_layers, 2, 16, length)
+    # step 1: request 0 gets 4 tokens, request 1 gets 6, then 2 padding rows
+    ids1 = torch.cat([ids[:4], ids[length:length + 6], torch.tensor([3, 3])])
+    pos1 = torch.cat([pos[:4], pos[length:length + 6], torch.zeros(2, dtype=torch.long)])
+    out1 = model(ids1, pos1, AttnMeta.from_lens([4, 6], [0, 0], max_q=6))
+    # step 2: the rest (3 and 1 tokens) on top of the cached context, 1 padding row
+    ids2 = torch.cat([ids[4:length], ids[length + 6:], torch.tensor([9])])
+    pos2 = torch.cat([pos[4:length], pos[length + 6:], torch.zeros(1, dtype=torch.long)])
+    out2 = model(ids2, pos2, AttnMeta.from_lens([3, 1], [4, 6], max_q=6))
+
+    torch.testing.assert_close(out1[:4], full[:4])
+    torch.testing.assert_close(out1[4:10], full[length:length + 6])
+    torch.testing.assert_close(out2[:3], full[4:length])
+    torch.testing.assert_close(out2[3:4], full[2 * length - 1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_finite_and_shaped(dtype):
+    model = build(dtype=dtype)
+    model.backend = fresh_cache(TINY.n_layers, 3, 8, 2, dtype=dtype)
+    model.backend.randomize_()
+    ids = torch.randint(1, TINY.vocab_size, (7,))
+    logits, hidden = model(ids, torch.arange(7), AttnMeta.from_lens([2, 1, 2], [8, 3, 5], max_q=2),
+                           return_hidden=True)
+    assert logits.shape == (7, TINY.vocab_size) and hidden.shape == (7, TINY.dim)
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    assert 0.1 < logits.float().std() < 10  # random init keeps logits O(1)
+
+
+def test_seeded_init_is_reproducible_and_tied_head_shares_embedding():
+    a, b = build(seed=5), build(seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    tied = Transformer(dataclasses.replace(TINY, tie_embeddings=True))
+    assert tied.head_weight is tied.embed
+
+
+def test_forward_without_backend_is_an_error():
+    with pytest.raises(RuntimeError, match="backend"):
+        build()(torch.tensor([1]), torch.tensor([0]), AttnMeta.from_lens([1], [0]))
+
+
+def test_greedy_confidence_is_softmax_of_argmax():
+    logits = torch.randn(5, 11, dtype=torch.float64)
+    ids, conf = greedy_confidence(logits)
+    probs = logits.softmax(-1)
+    assert torch.equal(ids, probs.argmax(-1))
+    torch.testing.assert_close(conf, probs.max(-1).values.float())
+
+
+def drafter_inputs(batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, TINY.dim, generator=g, dtype=torch.float64)
+    last = torch.randint(1, TINY.vocab_size, (batch,), generator=g)
+    return hidden, last
+
+
+@pytest.mark.parametrize("cls", [EagleDrafter, BlockDrafter])
+def test_drafter_outputs(cls):
+    target = build()
+    drafter = cls(TINY, 2, target=target, dtype=torch.float64)
+    assert drafter.embed_weight is target.embed  # shared, not copied
+    causal = cls is EagleDrafter
+    drafter.backend = fresh_cache(2, 3, 10 + 4, 1 if causal else 4, causal=causal)
+    hidden, last = drafter_inputs(3)
+    ctx = torch.tensor([10, 0, 5], dtype=torch.int32)
+    ids, conf = drafter.propose(hidden, last, 4, context_lens=ctx)
+    assert ids.shape == conf.shape == (3, 4)
+    assert ids.dtype == torch.long and ((ids >= 0) & (ids < TINY.vocab_size)).all()
+    assert ((conf > 0) & (conf <= 1)).all()
+    empty_ids, empty_conf = drafter.propose(hidden, last, 0, context_lens=ctx)
+    assert empty_ids.shape == empty_conf.shape == (3, 0)
+
+
+@pytest.mark.parametrize("cls", [EagleDrafter, BlockDrafter])
+def test_drafter_requests_are_independent(cls):
+    # request 1 of a batch of 3 drafts exactly what it drafts alone (same weights, same cache rows)
+    drafter = cls(TINY, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    causal = cls is EagleDrafter
+    ctx_max, max_q = 12, 1 if causal else 3
+    drafter.backend = fresh_cache(1, 3, ctx_max, max_q, causal=causal)
+    drafter.backend.randomize_(torch.Generator().manual_seed(4))
+    hidden, last = drafter_inputs(3)
+    ctx = torch.tensor([4, 7, 2], dtype=torch.int32)
+    ids, conf = drafter.propose(hidden, last, 3, context_lens=ctx)
+
+    alone = fresh_cache(1, 1, ctx_max, max_q, causal=causal)
+    for full, single in zip(drafter.backend.cache(0), alone.cache(0), strict=True):
+        single.copy_(full[1:2])
+    drafter.backend = alone
+    ids1, conf1 = drafter.propose(hidden[1:2], last[1:2], 3, context_lens=ctx[1:2])
+    assert torch.equal(ids1[0], ids[1])
+    torch.testing.assert_close(conf1[0], conf[1])
+
+
+def test_eagle_drafts_are_sequential_prefixes():
+    # K sequential steps: the first 2 drafts of k=4 are the drafts of k=2
+    drafter = EagleDrafter(TINY, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    drafter.backend = fresh_cache(1, 2, 12, 1)
+    hidden, last = drafter_inputs(2, seed=3)
+    ctx = torch.tensor([3, 6], dtype=torch.int32)
+    ids4, conf4 = drafter.propose(hidden, last, 4, context_lens=ctx)
+    ids2, conf2 = drafter.propose(hidden, last, 2, context_lens=ctx)
+    assert torch.equal(ids4[:, :2], ids2)
+    torch.testing.assert_close(conf4[:, :2], conf2)
