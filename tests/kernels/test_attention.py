@@ -1,0 +1,217 @@
+import math
+
+import pytest
+import torch
+
+from spectune.kernels.attention import (
+    AttnConfig,
+    choose_num_splits,
+    verify_attention,
+    verify_attention_folded,
+    verify_attention_ref,
+    verify_attention_sdpa_gqa,
+)
+from spectune.kernels.kv_cache import KernelInputError, make_block_tables, slot_mapping_for
+from spectune.kernels.meta import AttnMeta
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 16
+POISON = 1.0e4
+
+
+def make_case(q_lens, ctx_lens, *, n_heads, n_kv_heads, head_dim, dtype=torch.float32, pad=0,
+              seed=0, shuffle=True):
+    """Random q [T, H, D], caches filled with random K/V (poison outside the requests' blocks),
+    and an AttnMeta with shuffled block tables. T = sum(q_lens) + pad."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 3
+    meta = AttnMeta.from_lens(q_lens, ctx_lens, device=DEVICE)
+    meta.block_tables = make_block_tables(seq_lens, BLOCK_SIZE, num_blocks, shuffle=shuffle,
+                                          generator=gen, device=DEVICE)
+    num_tokens = sum(q_lens) + pad
+    meta.slot_mapping = slot_mapping_for(meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                                         num_tokens, BLOCK_SIZE)
+    shape = (num_blocks, BLOCK_SIZE, n_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn((num_tokens, n_heads, head_dim), generator=gen).to(dtype).to(DEVICE)
+    return q, k_cache, v_cache, meta
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+CASES = [
+    # (q_lens, ctx_lens, n_heads, n_kv_heads, head_dim, dtype, pad, num_splits)
+    ([1], [37], 4, 4, 64, torch.float32, 0, 1),  # batch 1, decode, G = 1
+    ([4], [0], 8, 2, 64, torch.float32, 2, 1),  # empty context, padding rows
+    ([3, 1, 5], [17, 40, 5], 8, 2, 64, torch.float32, 3, 1),  # odd batch, mixed q, G = 4
+    ([1, 1, 1, 1, 1], [20, 33, 0, 16, 9], 8, 1, 64, torch.float32, 0, 2),  # all-1, G = 8, split
+    ([8, 8, 8], [31, 2, 50], 16, 2, 64, torch.float32, 1, 3),  # all-max, G = 8, split
+    ([2, 6], [45, 19], 4, 4, 128, torch.float32, 2, 4),  # head_dim 128, split > tiles
+    ([5, 1, 3], [23, 64, 0], 8, 2, 128, torch.float16, 1, 1),
+    ([4, 2, 1], [30, 7, 48], 8, 2, 64, torch.bfloat16, 2, 2),
+    ([16, 1, 9], [12, 33, 0], 8, 2, 64, torch.float32, 2, 2),  # K = 15: 64-row query tile
+    ([16, 3], [21, 5], 8, 1, 128, torch.bfloat16, 1, 1),  # G = 8 x 16 tokens: 128 rows
+    ([2, 0, 3], [10, 5, 20], 4, 2, 64, torch.float32, 1, 2),  # a request with no query this step
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,n_heads,n_kv_heads,head_dim,dtype,pad,num_splits", CASES)
+def test_kernel_matches_reference(q_lens, ctx_lens, n_heads, n_kv_heads, head_dim, dtype, pad, num_splits):
+    q, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                          head_dim=head_dim, dtype=dtype, pad=pad)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = torch.full_like(q, POISON)
+    verify_attention(q, k_cache, v_cache, meta, out=out, num_splits=num_splits)
+    real = sum(q_lens)
+    assert torch.isfinite(out.float()).all()
+    assert (out[:real].float().abs() < POISON / 2).all(), "a real row was not written"
+    assert (out[real:] == 0).all(), "padding rows must be zero"
+    assert max_rel_err(out[:real], ref[:real]) < TOL[dtype]
+
+
+def test_split_count_does_not_change_result():
+    q, k_cache, v_cache, meta = make_case([3, 2], [70, 41], n_heads=4, n_kv_heads=2, head_dim=64)
+    one = verify_attention(q, k_cache, v_cache, meta, num_splits=1)
+    for splits in (2, 5):
+        many = verify_attention(q, k_cache, v_cache, meta, num_splits=splits)
+        assert max_rel_err(many, one) < 1e-5
+
+
+def test_block_n_larger_than_block_size():
+    q, k_cache, v_cache, meta = make_case([2, 3], [29, 51], n_heads=4, n_kv_heads=2, head_dim=64)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = verify_attention(q, k_cache, v_cache, meta, num_splits=2, config=AttnConfig(32, 1, 1))
+    assert max_rel_err(out, ref) < 1e-4
+
+
+def test_reference_matches_naive_single_request():
+    # dense single request written out by hand: new token j sees positions < ctx + j + 1
+    q, k_cache, v_cache, meta = make_case([3], [5], n_heads=2, n_kv_heads=1, head_dim=64, shuffle=False)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    k = k_cache.reshape(-1, 64)[:8]
+    v = v_cache.reshape(-1, 64)[:8]
+    for j in range(3):
+        for h in range(2):
+            s = (k[: 5 + j + 1] @ q[j, h]) / math.sqrt(64)
+            expect = s.softmax(0) @ v[: 5 + j + 1]
+            assert torch.allclose(ref[j, h], expect, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", [verify_attention_sdpa_gqa, verify_attention_folded])
+@pytest.mark.parametrize("q_lens,ctx_lens,n_heads,n_kv_heads", [
+    ([1], [33], 4, 4),
+    ([3, 1, 5], [17, 40, 0], 8, 2),
+    ([4, 4, 4, 4, 4], [9, 0, 31, 16, 2], 8, 1),
+])
+def test_torch_paths_match_reference(path, q_lens, ctx_lens, n_heads, n_kv_heads):
+    q, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                          head_dim=64, pad=2)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = path(q, k_cache, v_cache, meta)
+    assert out.shape == q.shape
+    assert max_rel_err(out, ref) < 1e-4
+    assert (out[sum(q_lens):] == 0).all()
+
+
+def test_query_length_independent_of_padding_layout():
+    # the same request's rows give the same output whether or not other requests surround it
+    q, k_cache, v_cache, meta = make_case([2, 4, 1], [19, 26, 8], n_heads=8, n_kv_heads=2, head_dim=64)
+    full = verify_attention(q, k_cache, v_cache, meta, num_splits=1)
+    alone = AttnMeta.from_lens([4], [26], device=DEVICE)
+    alone.block_tables = meta.block_tables[1:2].contiguous()
+    part = verify_attention(q[2:6].contiguous(), k_cache, v_cache, alone, num_splits=1)
+    assert max_rel_err(part, full[2:6]) < 1e-6
+
+
+def test_choose_num_splits_static():
+    assert choose_num_splits(64, 8, 2048, 132) == 1  # 512 programs already fill the GPU
+    assert choose_num_splits(1, 8, 2048, 132) == 16  # 8 programs: split the context
+    assert choose_num_splits(1, 8, 256, 132) == 2  # but never below MIN_SPLIT_TOKENS per split
+    assert choose_num_splits(4, 8, 8192, 1) == 1
+
+
+def test_bad_inputs_name_the_argument():
+    q, k_cache, v_cache, meta = make_case([2], [5], n_heads=4, n_kv_heads=2, head_dim=64)
+    with pytest.raises(KernelInputError, match="^q:"):
+        verify_attention(q[:, :3].contiguous(), k_cache, v_cache, meta)
+    with pytest.raises(KernelInputError, match="^q:"):
+        verify_attention(q.half(), k_cache, v_cache, meta)
+    with pytest.raises(KernelInputError, match="^v_cache:"):
+        verify_attention(q, k_cache, v_cache[:-1], meta)
+    no_table = AttnMeta.from_lens([2], [5], device=DEVICE)
+    with pytest.raises(KernelInputError, match="block_tables"):
+        verify_attention(q, k_cache, v_cache, no_table)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_non_causal_block_matches_reference(num_splits):
+    q, k_cache, v_cache, meta = make_case([4, 1, 3], [10, 0, 27], n_heads=8, n_kv_heads=2, head_dim=64, pad=1)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta, causal=False)
+    out = verify_attention(q, k_cache, v_cache, meta, num_splits=num_splits, causal=False)
+    assert max_rel_err(out, ref) < 1e-4
+    causal = verify_attention_ref(q, k_cache, v_cache, meta)
+    assert max_rel_err(causal[:3], ref[:3]) > 1e-3  # the mask really differs
+
+
+@pytest.mark.parametrize("derive_slots", [False, True])
+def test_paged_backend_matches_model_reference(derive_slots):
+    from spectune.kernels.attention import gather_dense_kv
+    from spectune.models.attention import reference_attention
+    from spectune.models.paged import PagedTritonAttention
+
+    backend = PagedTritonAttention(2, 40, BLOCK_SIZE, 2, 64, torch.float32, DEVICE)
+    tables = backend.allocate(3, 37, 4, generator=torch.Generator().manual_seed(5))
+    assert tables.shape == (3, 3) and len(set(tables.flatten().tolist())) == 9
+    assert (backend.kv(1)[0] != 0).all()  # context prefilled with non-zero values
+    with pytest.raises(KernelInputError, match="^num_blocks:"):
+        backend.allocate(20, 37, 4)  # 60 blocks > 40
+    meta = backend.meta_for(tables, [4, 1, 3], [37, 13, 0], num_tokens=10)
+    if derive_slots:
+        meta.slot_mapping = None
+    gen = torch.Generator().manual_seed(6)
+    for layer in range(2):
+        q = torch.randn((10, 8, 64), generator=gen).to(DEVICE)
+        k = torch.randn((10, 2, 64), generator=gen).to(DEVICE)
+        v = torch.randn((10, 2, 64), generator=gen).to(DEVICE)
+        k_ctx, v_ctx = (t.transpose(1, 2) for t in gather_dense_kv(*backend.kv(layer), tables))
+        k_ctx, v_ctx = k_ctx.clone(), v_ctx.clone()  # context before this step's write
+        out = backend(layer, q, k, v, meta)
+        ref = reference_attention(q, k, v, meta, k_ctx, v_ctx)
+        assert max_rel_err(out, ref) < 1e-4
+        assert (out[8:] == 0).all()
+        # the new rows sit right after each request's context
+        k_after = gather_dense_kv(*backend.kv(layer), tables)[0].transpose(1, 2)
+        assert torch.equal(k_after[0, 37:41], k[0:4]) and torch.equal(k_after[2, 0:3], k[5:8])
+
+
+@pytest.mark.gpu
+def test_graph_replay_follows_meta_updates():
+    # capture once, then rewrite the step's device tensors in place: the replay must follow them
+    q, k_cache, v_cache, meta = make_case([3, 1, 4], [300, 40, 129], n_heads=32, n_kv_heads=8,
+                                          head_dim=128, dtype=torch.bfloat16, pad=2)
+    out = torch.empty_like(q)
+    verify_attention(q, k_cache, v_cache, meta, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        verify_attention(q, k_cache, v_cache, meta, out=out)
+    for ctx, cu in (([300, 40, 129], [0, 3, 4, 8]), ([17, 290, 0], [0, 1, 5, 7])):
+        meta.context_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
+        meta.cu_seqlens_q.copy_(torch.tensor(cu, dtype=torch.int32))
+        q.normal_()
+        out.fill_(POISON)
+        graph.replay()
+        ref = verify_attention_ref(q, k_cache, v_cache, meta)
+        assert max_rel_err(out[: cu[-1]], ref[: cu[-1]]) < 1e-2
+        assert (out[cu[-1]:] == 0).all()
