@@ -1,0 +1,260 @@
+"""Inputs of ``spectune report``: bench results JSON (``header`` + ``rows``), simulation JSON of
+``benchmarks/sim_policy_vs_fixed.py`` (scenarios of plain / fixed K / policy goodput) and profile
+or policy YAML tables. Optional row fields may be missing; a malformed file raises
+:class:`ReportError` naming the file and the field.
+
+Words: an *arm* is one serving configuration of a bench (``plain``, ``fixed:K``, ``auto``); arms
+named ``auto*`` run the policy, every other arm is a baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from spectune.runtime.schema import SpectuneError, TableError, from_dict
+from spectune.runtime.table import Table, read_table
+
+BENIGN_THROTTLE = frozenset({"", "none", "idle", "gpu_idle"})
+HEADER_ORDER = ("gpu", "driver", "date", "policy", "target", "drafter")
+
+
+class ReportError(SpectuneError):
+    """A report input is malformed; names the file and the field (``rows[3].output_tok_s``)."""
+
+    def __init__(self, file: str | os.PathLike[str], field: str, reason: str):
+        self.file, self.field, self.reason = str(file), field, reason
+        super().__init__(f"{self.file}: {field}: {reason}" if field else f"{self.file}: {reason}")
+
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One (concurrency, arm) measurement; every field past ``output_tok_s`` is optional."""
+
+    concurrency: int
+    arm: str  # "plain" | "fixed:K" | "auto" | ...
+    output_tok_s: float  # goodput: emitted tokens per second over all requests
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    ttft_ms: float | None = None
+    mean_accept_len: float | None = None  # bonus token included
+    k_hist: dict[str, int] | None = None  # "K" -> steps run with that K
+    power_w: float | None = None
+    joules_per_token: float | None = None
+    sm_clock_mhz: int | None = None
+    throttle_reasons: list[str] | None = None
+    completed: int | None = None
+    failed: int | None = None
+    mismatches: int | None = None  # greedy outputs differing from plain greedy decoding
+    predicted_tok_s: float | None = None  # simulator prediction for this point
+    itl_ms: list[float] | None = None  # sample of per-token latencies
+
+    def validate(self, path: str) -> None:
+        if self.concurrency < 1:
+            raise TableError(f"{path}.concurrency", f"must be >= 1, got {self.concurrency}")
+        if not self.arm:
+            raise TableError(f"{path}.arm", "must not be empty")
+        for name in ("output_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_ms", "mean_accept_len", "power_w",
+                     "joules_per_token", "predicted_tok_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise TableError(f"{path}.{name}", f"must be a finite number >= 0, got {v!r}")
+        for name in ("completed", "failed", "mismatches"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise TableError(f"{path}.{name}", f"must be >= 0, got {v}")
+        for key, n in (self.k_hist or {}).items():
+            if not key.isdigit():
+                raise TableError(f"{path}.k_hist.{key}", "keys must be draft lengths K >= 0")
+            if n < 0:
+                raise TableError(f"{path}.k_hist.{key}", f"must be >= 0, got {n}")
+        if self.itl_ms is not None and not all(math.isfinite(x) and x >= 0 for x in self.itl_ms):
+            raise TableError(f"{path}.itl_ms", "must hold finite numbers >= 0")
+
+    @property
+    def k_counts(self) -> dict[int, int]:
+        return {int(k): n for k, n in (self.k_hist or {}).items() if n > 0}
+
+    @property
+    def bad_throttle(self) -> list[str]:
+        return [r for r in self.throttle_reasons or [] if r.strip().lower() not in BENIGN_THROTTLE]
+
+
+@dataclass(frozen=True)
+class ResultSet:
+    """Rows of one bench file, or of one scenario of a simulation file."""
+
+    name: str  # section title
+    slug: str  # prefix of this set's plot files
+    file: str
+    kind: Literal["bench", "sim"]
+    header: dict[str, str]
+    rows: tuple[BenchRow, ...]
+
+    @property
+    def arms(self) -> list[str]:
+        return sorted({r.arm for r in self.rows}, key=arm_order)
+
+    @property
+    def concurrencies(self) -> list[int]:
+        return sorted({r.concurrency for r in self.rows})
+
+    def get(self, concurrency: int, arm: str) -> BenchRow | None:
+        return next((r for r in self.rows if r.concurrency == concurrency and r.arm == arm), None)
+
+
+@dataclass(frozen=True)
+class TableInput:
+    name: str
+    slug: str
+    file: str
+    table: Table
+
+
+@dataclass(frozen=True)
+class Inputs:
+    results: tuple[ResultSet, ...]
+    tables: tuple[TableInput, ...]
+
+
+@dataclass(frozen=True)
+class _SimRow:  # one concurrency of a sim_policy_vs_fixed.py scenario
+    concurrency: int
+    plain: float
+    fixed: dict[str, float]  # "K" -> simulated goodput tok/s
+    policy: float
+    best_k: int | None = None
+    policy_uniform_alloc: float | None = None
+
+
+def arm_order(arm: str) -> tuple[int, int, str]:
+    # plain, fixed:K by K, other baselines, then the policy arms
+    if arm == "plain":
+        return (0, 0, arm)
+    m = re.fullmatch(r"fixed:(\d+)", arm)
+    if m:
+        return (1, int(m.group(1)), arm)
+    return (3, 0, arm) if arm.startswith("auto") else (2, 0, arm)
+
+
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    # bench files may grow fields: keep those this report reads, ignore the rest
+    names = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    return {k: v for k, v in data.items() if k in names}
+
+
+def _bench_rows(rows: Any, file: str, prefix: str = "rows") -> tuple[BenchRow, ...]:
+    if not isinstance(rows, list) or not rows:
+        raise ReportError(file, prefix, "must be a non-empty list")
+    out: list[BenchRow] = []
+    seen: set[tuple[int, str]] = set()
+    for i, row in enumerate(rows):
+        path = f"{prefix}[{i}]"
+        if not isinstance(row, dict):
+            raise ReportError(file, path, f"must be a mapping, got {type(row).__name__}")
+        if "output_tok_s" not in row and "goodput_tok_s" in row:
+            row = {**row, "output_tok_s": row["goodput_tok_s"]}
+        try:
+            r = from_dict(BenchRow, _known(BenchRow, row), path)
+        except TableError as exc:
+            raise ReportError(file, exc.field, exc.reason) from None
+        if (r.concurrency, r.arm) in seen:
+            raise ReportError(file, path, f"duplicate row for concurrency {r.concurrency}, arm {r.arm!r}")
+        seen.add((r.concurrency, r.arm))
+        out.append(r)
+    return tuple(out)
+
+
+def _header(data: Any, file: str) -> dict[str, str]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ReportError(file, "header", f"must be a mapping, got {type(data).__name__}")
+    head = {str(k): v for k, v in data.items() if v is not None and not isinstance(v, dict | list)}
+    order = [k for k in HEADER_ORDER if k in head] + [k for k in head if k not in HEADER_ORDER]
+    return {k: str(head[k]) for k in order}
+
+
+def _sim_sets(data: dict[str, Any], file: str, stem: str) -> list[ResultSet]:
+    header = {k: str(data[k]) for k in ("profile", "acceptance") if isinstance(data.get(k), str)}
+    sets = []
+    for scenario, rows in data.items():
+        if not (isinstance(rows, list) and rows and isinstance(rows[0], dict) and "policy" in rows[0]):
+            continue
+        parsed: list[_SimRow] = []
+        for i, row in enumerate(rows):
+            try:
+                parsed.append(from_dict(_SimRow, _known(_SimRow, row), f"{scenario}[{i}]"))
+            except TableError as exc:
+                raise ReportError(file, exc.field, exc.reason) from None
+        # show the fixed K that is best at some concurrency: the contenders of each row
+        best = {r.best_k if r.best_k is not None else int(max(r.fixed, key=lambda k: r.fixed[k]))
+                for r in parsed}
+        bench: list[dict[str, Any]] = []
+        for r in parsed:
+            bench += [{"concurrency": r.concurrency, "arm": "plain", "output_tok_s": r.plain},
+                      {"concurrency": r.concurrency, "arm": "auto", "output_tok_s": r.policy}]
+            bench += [{"concurrency": r.concurrency, "arm": f"fixed:{k}", "output_tok_s": r.fixed[str(k)]}
+                      for k in sorted(best) if k > 0 and str(k) in r.fixed]
+            if r.policy_uniform_alloc is not None:
+                bench.append({"concurrency": r.concurrency, "arm": "auto:uniform",
+                              "output_tok_s": r.policy_uniform_alloc})
+        sets.append(ResultSet(f"Simulation: {scenario} ({Path(file).name})", f"{stem}_{scenario}", file, "sim",
+                              header, _bench_rows(bench, file, scenario)))
+    if not sets:
+        raise ReportError(file, "", "not a results file: needs 'rows' (bench) or scenario lists with "
+                                    "'concurrency', 'plain', 'fixed', 'policy' (simulation)")
+    return sets
+
+
+def read_results(path: str | os.PathLike[str], stem: str | None = None) -> list[ResultSet]:
+    """Bench results JSON -> one ResultSet; simulation JSON -> one per scenario."""
+    file = str(path)
+    stem = stem or _slug(Path(file).stem)
+    try:
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ReportError(file, "", f"cannot read: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(file, "", f"not valid JSON at line {exc.lineno}") from None
+    except UnicodeDecodeError:
+        raise ReportError(file, "", "not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise ReportError(file, "", f"must be a JSON object, got {type(data).__name__}")
+    if "rows" not in data:
+        return _sim_sets(data, file, stem)
+    header = _header(data.get("header"), file)
+    kind: Literal["bench", "sim"] = "sim" if str(header.get("kind", "")).startswith("sim") else "bench"
+    title = "Bench" if kind == "bench" else "Simulation"
+    return [ResultSet(f"{title}: {Path(file).name}", stem, file, kind, header, _bench_rows(data["rows"], file))]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_.") or "input"
+
+
+def load_inputs(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
+    """Read every input; JSON is results, .yaml/.yml is a profile or policy table."""
+    results: list[ResultSet] = []
+    tables: list[TableInput] = []
+    used: set[str] = set()
+    for p in paths:
+        path = Path(p)
+        stem = _slug(path.stem)
+        while stem in used:
+            stem += "_"
+        used.add(stem)
+        if path.suffix.lower() in (".yaml", ".yml"):
+            tables.append(TableInput(f"Table: {path.name}", stem, str(path), read_table(path)))
+        elif path.suffix.lower() == ".json":
+            results += read_results(path, stem)
+        else:
+            raise ReportError(path, "", "unknown input (expected results .json or a table .yaml)")
+    return Inputs(tuple(results), tuple(tables))
