@@ -50,6 +50,38 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _profile_config(args: argparse.Namespace, out: str | None):
+    from spectune.autotune.profiler import ProfileConfig
+
+    return ProfileConfig(
+        target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
+        batch_sizes=args.batch_sizes, max_k=args.max_k, context_len=args.context_len, out=out,
+        storage=args.storage, study_name=args.study_name, trials=args.trials, seed=args.seed,
+        progress=not args.no_progress,
+    )
+
+
+def _run_profile(args: argparse.Namespace, out: str | None):
+    """Profile and print a short summary; returns (table, path written)."""
+    from spectune.autotune.profiler import default_out, run_profile
+
+    config = _profile_config(args, out)
+    path = default_out(config)
+    try:
+        table, frame = run_profile(config)
+    except OSError as exc:
+        raise UsageError(f"{exc.filename or path}: {exc.strerror or exc}") from None
+    err = table.costs.error
+    bad = int((~frame["feasible"].astype(bool)).sum()) if len(frame) else 0
+    print(f"{table.hardware.gpu}: {table.workload.target} + {table.workload.drafter}, "
+          f"{table.workload.dtype}, context {table.workload.context_len}, batch 1..{table.workload.max_batch}, "
+          f"K <= {table.workload.max_k}")
+    print(f"points: {len(frame)} measured ({bad} infeasible), timer {table.costs.timer}")
+    print(f"cost model error on {err.held_out} held-out points: median {err.median_rel:.1%}, max {err.max_rel:.1%}")
+    print(f"wrote {path} and {path.with_suffix('.csv')}")
+    return table, path
+
+
 # ---------------------------------------------------------------------------------------------
 # sub-commands (filled in by their modules' owners)
 
@@ -60,12 +92,16 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                                    "CUDA-graph replays and NVML power, fit the cost model, write a profile.")
     _add_workload_options(p)
     _add_study_options(p)
-    p.add_argument("--out", default=None, help="profile YAML path (default: profiles/<gpu>_<target>_<drafter>.yaml)")
+    p.add_argument("--out", default=None,
+                   help="profile YAML path; the measurement CSV and the Optuna journal go beside it "
+                        "(default: profiles/<gpu>_<target>_<drafter>.yaml on CUDA, "
+                        "./spectune-<target>-<drafter>.yaml on CPU)")
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    raise UsageError("profile: not implemented yet")
+    _run_profile(args, args.out)
+    return 0
 
 
 def _add_autotune(sub: argparse._SubParsersAction) -> None:
@@ -73,23 +109,82 @@ def _add_autotune(sub: argparse._SubParsersAction) -> None:
     _add_workload_options(p)
     _add_study_options(p)
     p.add_argument("--acceptance", default=None, help="acceptance source (see `spectune tune --help`)")
-    p.add_argument("--out", default=None, help="policy table YAML path")
+    p.add_argument("--out", default=None,
+                   help="policy table YAML path; the profile goes beside it as <out>.profile.yaml "
+                        "(default: the profile's path with .policy.yaml)")
     p.set_defaults(func=cmd_autotune)
 
 
 def cmd_autotune(args: argparse.Namespace) -> int:
-    raise UsageError("autotune: not implemented yet")
+    from pathlib import Path
+
+    from spectune.runtime.table import write_table
+
+    profile_out = str(Path(args.out).with_suffix(".profile.yaml")) if args.out else None
+    profile, path = _run_profile(args, profile_out)
+    try:
+        from spectune.autotune.tuner import tune_table
+    except ImportError:
+        print("tuning is not available yet: the profile above is the result")
+        return 0
+    out = Path(args.out) if args.out else path.with_suffix(".policy.yaml")
+    policy = tune_table(profile, args.acceptance, seed=args.seed)
+    write_table(policy, out)
+    assert policy.policy is not None
+    for row in policy.policy.rows:
+        gain = f"  {row.gain:.3f}x vs plain" if row.gain is not None else ""
+        print(f"  batch {row.batch[0]:>4}-{row.batch[1]:<4} K={row.k:<2} budget={row.verify_budget:<5} "
+              f"tier={row.tier if row.tier is not None else '-'}{gain}")
+    print(f"wrote {out}")
+    return 0
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="search the policy for a profile and acceptance -> policy table YAML")
     p.add_argument("profile", help="profile YAML from `spectune profile`")
+    p.add_argument("--acceptance", default=None,
+                   help="curve:S1,S2,..., mixture:W*curve(...)+..., public:<drafter>/<target>/<dataset>, "
+                        "metrics:FILE, FILE.jsonl (default: a published EAGLE-3 curve)")
     p.add_argument("--out", required=True, help="policy table YAML path")
+    p.add_argument("--objective", default="goodput", choices=["goodput", "energy", "latency"])
+    p.add_argument("--latency-bound-ms", type=float, default=None, help="step (p99 ITL) bound for --objective latency")
+    p.add_argument("--capture-budget-mib", type=float, default=None, help="graph capture memory budget")
+    p.add_argument("--capture-seconds", type=float, default=None, help="graph capture time budget")
+    p.add_argument("--trials", type=int, default=40, help="Optuna trials of the tier-set study")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pareto", action="store_true", help="multi-objective study; prints the Pareto front")
+    p.add_argument("--max-batch", type=int, default=None, help="largest batch size covered (default: the profile's)")
     p.set_defaults(func=cmd_tune)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    raise UsageError("tune: not implemented yet")
+    from spectune.autotune.tuner import tune
+    from spectune.runtime.table import read_table, write_table
+
+    if args.trials < 1:
+        raise UsageError("--trials must be >= 1")
+    res = tune(read_table(args.profile), args.acceptance, objective=args.objective,
+               capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
+               latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
+               pareto=args.pareto, max_batch=args.max_batch)
+    write_table(res.table, args.out)
+    s = res.search
+    print(f"acceptance: {res.acceptance.source}")
+    print(f"{'batch':>11} {'K':>3} {'budget':>7} {'tier':>6} {'vs plain':>9} {'vs best fixed':>14}")
+    for row in s.policy.rows:
+        lo, hi = row.batch
+        grp = [c for c in s.choices if lo <= c.batch <= hi]
+        vs_fixed = sum(c.gain_vs_fixed for c in grp) / len(grp)
+        print(f"{lo:>5}-{hi:<5} {row.k:>3} {row.verify_budget:>7} {row.tier or '-':>6} "
+              f"{row.gain or 0:>8.3f}x {vs_fixed:>13.3f}x")
+    print(f"tiers: {s.policy.tiers}  capture: {s.capture_mib:.0f} MiB, {s.capture_seconds:.1f} s  "
+          f"K=0 from batch {s.k0_cutoff}  trials: {s.trials}")
+    if s.front:
+        print("pareto front (gain vs plain, J/token vs plain, step ms vs plain):")
+        for f in s.front:
+            print(f"  trial {f.trial:>4}: {f.gain:.3f}x  {f.energy_ratio:.3f}  {f.latency_ratio:.3f}")
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _add_show(sub: argparse._SubParsersAction) -> None:
@@ -99,7 +194,61 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    raise UsageError("show: not implemented yet")
+    from spectune.runtime.table import read_table
+
+    for line in _show_lines(read_table(args.file)):
+        print(line)
+    return 0
+
+
+def _show_lines(t) -> list[str]:
+    from spectune.runtime.costs import CostModel
+    from spectune.runtime.schema import to_dict
+
+    hw, wl, costs = t.hardware, t.workload, t.costs
+    lines = [f"{'policy table' if t.is_policy else 'profile'} ({t.schema}, created {t.created or '?'})"]
+    facts = {k: v for k, v in to_dict(hw).items() if v is not None}
+    lines.append("hardware: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    lines.append(f"software: spectune {t.software.spectune}, torch {t.software.torch}, triton {t.software.triton}")
+    lines.append(f"workload: {wl.target} + {wl.drafter} ({wl.drafter_kind}, {wl.drafter_layers} layers), {wl.dtype}, "
+                 f"context {wl.context_len}, K <= {wl.max_k}, batch 1..{wl.max_batch}, {wl.device}")
+    m = costs.model
+    lines.append(f"cost model ({costs.timer} timer):")
+    for part in (m.target, m.drafter, m.overhead, m.power):
+        if part is not None:
+            body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in to_dict(part).items())
+            lines.append(f"  {type(part).__name__}: {body}")
+    e = costs.error
+    lines.append(f"  error on {e.held_out} held-out points: median {e.median_rel:.1%}, max {e.max_rel:.1%}")
+    model = CostModel(m, wl.drafter_kind, wl.context_len)
+    measured = {(p.batch, p.q): p.ms for p in costs.points if p.kind == "target" and not p.held_out}
+    batches = sorted({b for b, _ in measured}) or [1, wl.max_batch]
+    qs = sorted({q for _, q in measured if q is not None}) or [1, wl.max_k + 1]
+    lines.append("target step ms, predicted / measured (rows: batch, columns: tokens per request q)")
+    lines.append(f"{'batch':>6} " + " ".join(f"{'q=' + str(q):>15}" for q in qs))
+    for b in batches:
+        cells = []
+        for q in qs:
+            pred = model.target_ms(b * q, b)
+            meas = measured.get((b, q))
+            cells.append(f"{pred:7.3f}/{meas:<7.3f}" if meas is not None else f"{pred:7.3f}/{'-':<7}")
+        lines.append(f"{b:>6} " + " ".join(f"{c:>15}" for c in cells))
+    if costs.capture:
+        lines.append("graph capture per tier: " + ", ".join(f"{c.tokens}: {c.seconds:.2f}s {c.mib:.0f}MiB"
+                                                           for c in costs.capture))
+    bad = [p for p in costs.points if p.ms is None]
+    if bad:
+        lines.append(f"infeasible points: {len(bad)} (largest batch {max(p.batch for p in bad)})")
+    if t.policy is not None:
+        pol = t.policy
+        lines.append(f"policy ({pol.objective}): tiers {pol.tiers}, online ema={pol.online.ema}, "
+                     f"hysteresis={pol.online.hysteresis}")
+        for r in pol.rows:
+            gain = f"{r.gain:.3f}x" if r.gain is not None else "-"
+            tier = r.tier if r.tier is not None else "-"
+            lines.append(f"  batch {r.batch[0]:>4}-{r.batch[1]:<4}  K={r.k:<2}  budget={r.verify_budget:<5}  "
+                         f"tier={tier:<6}  gain={gain}")
+    return lines
 
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
@@ -110,19 +259,52 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    raise UsageError("validate: not implemented yet")
+    import json
+
+    from spectune.runtime.table import read_table
+
+    t = read_table(args.file)
+    if not args.json:
+        print(f"{args.file}: valid {'policy table' if t.is_policy else 'profile'}")
+        return 0
+    e = t.costs.error
+    print(json.dumps({
+        "valid": True, "gpu": t.hardware.gpu, "target": t.workload.target, "drafter": t.workload.drafter,
+        "kind": "policy" if t.is_policy else "profile",
+        "cost_model": {"median_rel_error": e.median_rel, "max_rel_error": e.max_rel, "held_out": e.held_out},
+        "rows": len(t.policy.rows) if t.policy is not None else 0,
+    }))
+    return 0
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="turn a policy table into an engine's config")
-    p.add_argument("policy")
-    p.add_argument("--format", required=True, choices=["vllm", "sglang", "trtllm"])
+    p.add_argument("policy", help="policy table YAML from `spectune tune`")
+    p.add_argument("--format", required=True, choices=["vllm", "sglang", "trtllm"],
+                   help="vllm: speculative_config JSON; sglang: --speculative-adaptive-config JSON; "
+                        "trtllm: speculative_config YAML (extra LLM API options)")
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
+    p.add_argument("--drafter-model", default=None,
+                   help="drafter checkpoint to name in the config (vllm `model`, trtllm `speculative_model`)")
+    p.add_argument("--method", default=None,
+                   help="speculative method to name in the config (vllm `method`, e.g. eagle3; "
+                        "trtllm `decoding_type`, e.g. Eagle)")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    raise UsageError("export: not implemented yet")
+    from spectune.autotune.export import export_table
+    from spectune.runtime.schema import atomic_write_text
+    from spectune.runtime.table import read_table
+
+    table = read_table(args.policy)
+    text = export_table(table, args.format, file=args.policy, method=args.method, model=args.drafter_model)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        atomic_write_text(args.out, text)
+        print(f"wrote {args.out} ({args.format})", file=sys.stderr)
+    return 0
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -136,13 +318,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="Markdown/HTML report with plots from bench results and profiles")
-    p.add_argument("inputs", nargs="+")
+    p = sub.add_parser("report", help="Markdown/HTML report with plots from bench results and profiles",
+                       description="Write DIR/report.md, DIR/report.html (self-contained) and DIR/*.png: "
+                                   "the A/B table, exactness, simulator vs measured goodput, cost surfaces, "
+                                   "chosen K, power, J/token and latency plots.")
+    p.add_argument("inputs", nargs="+",
+                   help="bench results .json (`spectune bench`), simulation .json "
+                        "(benchmarks/sim_policy_vs_fixed.py), profile or policy table .yaml")
+    p.add_argument("--out", required=True, help="output folder (created; existing report files are replaced)")
+    p.add_argument("--title", default="spectune report")
     p.set_defaults(func=cmd_report)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    raise UsageError("report: not implemented yet")
+    from pathlib import Path
+
+    from spectune.autotune.report import build_report, load_inputs, write_report
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a folder")
+    report = build_report(load_inputs(args.inputs), title=args.title)
+    files = write_report(report, args.out)
+    for w in report.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"wrote {files[-1]}, {files[-2]} and {len(report.images)} plots in {args.out}")
+    return 0
 
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [

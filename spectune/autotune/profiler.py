@@ -1,0 +1,337 @@
+"""``spectune profile``: facts, models, the measurement study, the fit, and the two output files.
+
+Outputs, both written atomically: the profile YAML (:func:`spectune.runtime.table.write_table`) and
+the full measurement table as CSV beside it (``<out>.csv``); the Optuna journal sits beside them
+(``<out>.journal``) unless a storage URL is given.
+
+Overhead points time the device-side packing of one step (the capturable ``pack`` kernel on CUDA,
+its torch reference on CPU); the profile's ``costs.model.overhead.source`` says which.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+import torch
+
+from spectune.autotune.facts import gpu_slug, hardware_facts, software_facts
+from spectune.autotune.study import PointSpec, StudyPlan, StudyResult, run_study, study_name_for
+from spectune.runtime.schema import SpectuneError, atomic_write_text
+from spectune.runtime.table import (
+    SCHEMA,
+    CapturePoint,
+    Costs,
+    Hardware,
+    Point,
+    Table,
+    Workload,
+    table_from_dict,
+    table_to_yaml,
+    write_table,
+)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    dtype: str
+    batch_sizes: str
+    max_k: int
+    context_len: int
+    trials: int  # adaptive trials beyond the seed grid
+
+
+# CPU: ~75 points of the tiny preset; GPU: ~130 points (each a graph capture + >= 20 replays)
+CPU_DEFAULTS = Defaults(dtype="float32", batch_sizes="1-16", max_k=7, context_len=256, trials=8)
+GPU_DEFAULTS = Defaults(dtype="bfloat16", batch_sizes="1-256", max_k=15, context_len=2048, trials=16)
+MAX_BATCH = 4096
+
+
+class ProfileError(SpectuneError):
+    """Bad profile settings (the message names the option)."""
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``1-256`` | ``1,2,4,8`` | ``1-8,16,32`` -> sorted distinct sizes (each >= 1)."""
+    sizes: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None:
+            raise ProfileError(f"--batch-sizes: cannot read {part!r} in {text!r} (e.g. 1-256, 1,2,4,8, 1-8,16,32)")
+        lo = int(m[1])
+        hi = int(m[2]) if m[2] is not None else lo
+        if lo < 1 or hi < lo:
+            raise ProfileError(f"--batch-sizes: {part!r} must be sizes >= 1 with lo <= hi")
+        if hi > MAX_BATCH:
+            raise ProfileError(f"--batch-sizes: {hi} exceeds {MAX_BATCH}")
+        sizes.update(range(lo, hi + 1))
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    target: str = "tiny"
+    drafter: str = "eagle-1l"
+    device: str | None = None  # cuda, cuda:N or cpu; default cuda when present
+    dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
+    batch_sizes: str | tuple[int, ...] | None = None
+    max_k: int | None = None
+    context_len: int | None = None
+    out: str | None = None
+    storage: str | None = None  # Optuna URL or journal path; default <out>.journal
+    study_name: str | None = None
+    trials: int | None = None  # adaptive trials beyond the seed grid
+    held_out: int = 12
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Resolved:
+    config: ProfileConfig
+    device: torch.device
+    dtype: str
+    batch_sizes: tuple[int, ...]
+    max_k: int
+    context_len: int
+    trials: int
+    out: Path
+    storage: str
+
+
+def resolve(config: ProfileConfig) -> Resolved:
+    """Fill defaults for the device and check every setting (before anything is built or written)."""
+    device = _resolve_device(config.device)
+    d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    bs = config.batch_sizes if config.batch_sizes is not None else d.batch_sizes
+    sizes = parse_batch_sizes(bs) if isinstance(bs, str) else tuple(sorted(set(bs)))
+    if not sizes or sizes[0] < 1:
+        raise ProfileError("--batch-sizes: must be sizes >= 1")
+    max_k = int(config.max_k if config.max_k is not None else d.max_k)
+    context = int(config.context_len if config.context_len is not None else d.context_len)
+    trials = int(config.trials if config.trials is not None else d.trials)
+    if not 1 <= max_k <= 64:
+        raise ProfileError(f"--max-k: must be in 1..64, got {max_k}")
+    if context < 1:
+        raise ProfileError(f"--context-len: must be >= 1, got {context}")
+    if trials < 0:
+        raise ProfileError(f"--trials: must be >= 0, got {trials}")
+    dtype = config.dtype or d.dtype
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ProfileError(f"--dtype: must be bfloat16, float16 or float32, got {dtype!r}")
+    out = Path(config.out) if config.out else None
+    if out is None:
+        name = Path(config.target).name or config.target
+        out = (Path("profiles") / f"{{gpu}}_{name}_{config.drafter}.yaml" if device.type == "cuda"
+               else Path(f"spectune-{name}-{config.drafter}.yaml"))
+    storage = config.storage or str(out) + ".journal"
+    return Resolved(config, device, dtype, sizes, max_k, context, trials, out, storage)
+
+
+def _resolve_device(text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ProfileError(f"--device: unknown device {text!r} (cuda, cuda:N or cpu)") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ProfileError(f"--device: {text!r} is not supported (cuda, cuda:N or cpu)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError(f"--device: {text!r} asked for but no CUDA device is present")
+    return dev
+
+
+# ---------------------------------------------------------------------------------------------
+# steps
+
+
+def overhead_step(*, batch: int, tokens: int, max_k: int, context_len: int, device: torch.device) -> Any:
+    """Pack ``batch`` requests into ``tokens`` rows (1 real token + drafts each): the per-step
+    device work the runtime adds around the target graph."""
+    from spectune.kernels.pack import PackedBatch, pack, pack_ref
+    from spectune.models.shapes import StepFn, even_split
+
+    k = max(1, max_k)
+    gen = torch.Generator(device=device).manual_seed(batch * 7919 + tokens)
+    last = torch.empty(batch, dtype=torch.long, device=device)  # [B]
+    drafts = torch.empty(batch, k, dtype=torch.long, device=device)  # [B, K]
+    grant = torch.tensor([min(g, k) for g in even_split(max(tokens - batch, 0), batch)], dtype=torch.int32,
+                         device=device)  # [B]
+    ctx = torch.full((batch,), context_len, dtype=torch.int32, device=device)  # [B]
+    block = 16
+    blocks = -(-(context_len + k + 1) // block)
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, blocks)  # [B, max_blocks]
+    out = PackedBatch.empty(batch, tokens, device)
+
+    def refresh() -> None:
+        last.random_(1, 1 << 15, generator=gen)
+        drafts.random_(1, 1 << 15, generator=gen)
+
+    def run() -> object:
+        if device.type == "cuda":
+            return pack(last, drafts, grant, ctx, tables, block, tokens, out=out)
+        return pack_ref(last, drafts, grant, ctx, tables, block, tokens)
+
+    refresh()
+    return StepFn(run=run, refresh=refresh, tokens=tokens, batch=batch, label=f"overhead b={batch} n={tokens}")
+
+
+def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
+    """Build the models once; return ``measure_point(spec) -> StepFn``."""
+    from spectune.models.config import parse_drafter, resolve_target
+    from spectune.models.shapes import build_models
+
+    target, drafter = resolve_target(r.config.target), parse_drafter(r.config.drafter)
+    models = build_models(target, drafter, device=r.device, dtype=getattr(torch, r.dtype),
+                          max_batch=r.batch_sizes[-1], max_q=r.max_k + 1, context_len=r.context_len,
+                          seed=r.config.seed)
+
+    def measure_point(spec: PointSpec) -> Any:
+        if spec.kind == "target":
+            return models.target_step(batch=spec.batch, q=spec.q or 1)
+        if spec.kind == "tier":
+            return models.tier_step(tier=spec.tokens, batch=spec.batch)
+        if spec.kind == "drafter":
+            return models.drafter_step(batch=spec.batch, k=spec.k or 1)
+        return overhead_step(batch=spec.batch, tokens=spec.tokens, max_k=r.max_k,
+                             context_len=r.context_len, device=r.device)
+
+    return measure_point
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs
+
+
+def measurements_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    cols = ["key", "phase", "kind", "batch", "tokens", "q", "k", "held_out", "feasible", "ms", "p20_ms",
+            "p80_ms", "reps", "mode", "capture_s", "capture_mib", "joules", "power_w", "max_power_w",
+            "sm_clock_mhz", "throttle", "throttle_names", "gpu", "error"]
+    rows = [{c: (";".join(r[c]) if c == "throttle_names" and r.get(c) else r.get(c)) for c in cols} for r in records]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _points(records: list[dict[str, Any]]) -> list[Point]:
+    def opt(v: Any, kind: type) -> Any:
+        return None if v is None else kind(v)
+
+    return [
+        Point(kind=r["kind"], batch=int(r["batch"]), tokens=int(r["tokens"]), ms=opt(r.get("ms"), float),
+              q=opt(r.get("q"), int), k=opt(r.get("k"), int), joules=opt(r.get("joules"), float),
+              power_w=opt(r.get("power_w"), float), sm_clock_mhz=opt(r.get("sm_clock_mhz"), int),
+              throttle=opt(r.get("throttle"), int), held_out=bool(r.get("held_out")))
+        for r in records
+    ]
+
+
+def _capture(records: list[dict[str, Any]]) -> list[CapturePoint]:
+    return [
+        CapturePoint(tokens=int(r["tokens"]), seconds=float(r["capture_s"]), mib=float(r["capture_mib"]))
+        for r in records
+        if r["kind"] == "tier" and r.get("feasible") and r.get("capture_s") is not None
+        and r.get("capture_mib") is not None
+    ]
+
+
+def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: str | None) -> Table:
+    from spectune.models.config import parse_drafter
+
+    drafter = parse_drafter(r.config.drafter)
+    mode: Literal["cuda-graph", "wall-clock", "fake"] = "wall-clock"
+    if result.timer_mode in ("cuda-graph", "fake"):
+        mode = result.timer_mode  # type: ignore[assignment]
+    return Table(
+        schema=SCHEMA,
+        hardware=hardware,
+        software=software_facts(),
+        workload=Workload(
+            target=Path(r.config.target).name or r.config.target, drafter=drafter.name,
+            drafter_kind=drafter.kind, drafter_layers=drafter.n_layers, dtype=r.dtype,  # type: ignore[arg-type]
+            context_len=r.context_len, max_k=r.max_k, max_batch=r.batch_sizes[-1],
+            device="cuda" if r.device.type == "cuda" else "cpu",
+        ),
+        costs=Costs(model=result.params, error=result.error, timer=mode, capture=_capture(result.records),
+                    points=_points(result.records), measurements=csv_name),
+        created=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+    )
+
+
+def write_outputs(table: Table, frame: pd.DataFrame, out: Path) -> None:
+    """Validate the table, then write the CSV and the YAML (each atomically)."""
+    table_from_dict(__import__("yaml").safe_load(table_to_yaml(table)), out)
+    buf = io.StringIO()
+    frame.to_csv(buf, index=False)
+    atomic_write_text(out.with_suffix(".csv"), buf.getvalue())
+    write_table(table, out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_profile(
+    config: ProfileConfig,
+    *,
+    timer: Callable[[Any], Any] | None = None,
+    measure_point: Callable[[PointSpec], Any] | None = None,
+    power: Any = None,
+    write: bool = True,
+) -> tuple[Table, pd.DataFrame]:
+    """Measure, fit and (unless ``write=False``) write the profile; returns the table and the
+    measurement frame. ``timer``/``measure_point``/``power`` replace the real harness (tests)."""
+    from spectune.models.config import parse_drafter, resolve_target
+
+    r = resolve(config)
+    target = resolve_target(config.target)  # bad names fail here, before any file is touched
+    drafter = parse_drafter(config.drafter)
+    hardware = hardware_facts(r.device)
+    if "{gpu}" in str(r.out):
+        r = replace(r, out=Path(str(r.out).replace("{gpu}", gpu_slug(hardware))))
+        if config.storage is None:
+            r = replace(r, storage=str(r.out) + ".journal")
+    if measure_point is None:
+        measure_point = model_point_factory(r)
+    if timer is None:
+        from spectune.autotune.timing import WallClockTimer, default_timer
+
+        # CPU figures only exercise the pipeline: fewer eager reps keep the default run short
+        timer = default_timer(r.device) if r.device.type == "cuda" else WallClockTimer(warmup=1, reps=6, batches=2)
+    if power is None and r.device.type == "cuda":
+        from spectune.autotune.nvml import NvmlSampler
+
+        power = NvmlSampler(r.device.index or 0)
+    plan = StudyPlan(
+        batch_sizes=r.batch_sizes, max_k=r.max_k, drafter_kind=drafter.kind, context_len=r.context_len,
+        adaptive_trials=r.trials, held_out=config.held_out, seed=config.seed,
+        overhead_source="pack-kernel" if r.device.type == "cuda" else "pack-reference",
+    )
+    name = config.study_name or study_name_for(hardware.gpu, target.name, drafter.name, r.dtype,
+                                               r.context_len, r.max_k)
+    threads = torch.get_num_threads()
+    if r.device.type == "cpu":
+        # tiny eager steps: one thread avoids oversubscription noise on shared CPUs
+        torch.set_num_threads(1)
+    try:
+        result = run_study(plan, measure_point, timer, storage=r.storage, study_name=name, power=power,
+                           gpu=hardware.gpu, progress=config.progress)
+    finally:
+        torch.set_num_threads(threads)
+    frame = measurements_frame(result.records)
+    table = build_table(r, hardware, result, r.out.with_suffix(".csv").name)
+    if write:
+        write_outputs(table, frame, r.out)
+    return table, frame
+
+
+def default_out(config: ProfileConfig) -> Path:
+    """Where ``run_profile`` writes for this config (GPU name filled in)."""
+    r = resolve(config)
+    if "{gpu}" in str(r.out):
+        return Path(str(r.out).replace("{gpu}", gpu_slug(hardware_facts(r.device))))
+    return r.out

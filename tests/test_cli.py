@@ -1,0 +1,111 @@
+import json
+
+import pytest
+import yaml
+
+from spectune.cli import main
+
+SMALL = ["--batch-sizes", "1,2", "--max-k", "1", "--context-len", "16", "--trials", "0", "--no-progress",
+         "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "tiny.yaml"
+    assert main(["profile", "--target", "tiny", "--out", str(out), *SMALL]) == 0
+    return out
+
+
+def test_profile_smoke(profile, capsys):
+    assert profile.exists() and profile.with_suffix(".csv").exists()
+    assert profile.with_name(profile.name + ".journal").exists()
+    assert main(["validate", str(profile), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["valid"] is True and info["kind"] == "profile" and info["rows"] == 0
+    assert (info["gpu"], info["target"], info["drafter"]) == ("cpu", "tiny", "eagle-1l")
+    assert info["cost_model"]["held_out"] >= 1
+    data = yaml.safe_load(profile.read_text())
+    assert data["workload"]["max_batch"] == 2 and data["costs"]["timer"] == "wall-clock"
+    assert data["costs"]["model"]["overhead"]["source"] == "pack-reference"
+
+
+def test_profile_rerun_resumes_without_measuring(profile, capsys):
+    # the finished study is in the journal: a second run measures nothing and rewrites the same points
+    before = yaml.safe_load(profile.read_text())["costs"]["points"]
+    assert main(["profile", "--target", "tiny", "--out", str(profile), *SMALL]) == 0
+    assert yaml.safe_load(profile.read_text())["costs"]["points"] == before
+
+
+def test_show(profile, capsys):
+    assert main(["show", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "workload: tiny + eagle-1l" in out and "TargetCost" in out and "q=2" in out
+
+
+def one_error_line(capsys, command):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"spectune {command}: error: ")
+    return err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--batch-sizes", "0-3"], "--batch-sizes"),
+    (["--batch-sizes", "4-2"], "--batch-sizes"),
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--target", "nonsense"], "nonsense"),
+    (["--drafter", "medusa"], "medusa"),
+    (["--max-k", "0"], "--max-k"),
+    (["--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["--device", "tpu"], "--device"),
+    (["--storage", "redis://x"], "storage"),
+])
+def test_profile_bad_input(tmp_path, capsys, argv, needle):
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "--out", str(out), "--no-progress", *argv]) == 2
+    assert needle in one_error_line(capsys, "profile")
+    assert not out.exists() and not out.with_suffix(".csv").exists()
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "cannot read"),
+    ("schema: [unclosed\n", "not valid YAML"),
+    ("schema: spectune/1\n", "hardware: missing"),
+])
+@pytest.mark.parametrize("command", ["validate", "show"])
+def test_bad_files(tmp_path, capsys, content, needle, command):
+    path = tmp_path / "t.yaml"
+    if content is not None:
+        path.write_text(content)
+    assert main([command, str(path)]) == 2
+    err = one_error_line(capsys, command)
+    assert needle in err and str(path) in err
+
+
+def test_validate_names_the_field(profile, tmp_path, capsys):
+    data = yaml.safe_load(profile.read_text())
+    data["costs"]["model"]["target"]["weight_ms"] = "fast"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert main(["validate", str(bad), "--json"]) == 2
+    assert "costs.model.target.weight_ms" in one_error_line(capsys, "validate")
+    assert capsys.readouterr().out == ""
+
+
+def test_batch_sizes_forms():
+    from spectune.autotune.profiler import parse_batch_sizes
+
+    assert parse_batch_sizes("1-4") == (1, 2, 3, 4)
+    assert parse_batch_sizes("1,2,4,8") == (1, 2, 4, 8)
+    assert parse_batch_sizes("1-3,16,32") == (1, 2, 3, 16, 32)
+
+
+@pytest.mark.gpu
+def test_profile_on_gpu_uses_graphs(tmp_path, capsys):
+    out = tmp_path / "gpu.yaml"
+    argv = ["profile", "--target", "tiny", "--device", "cuda", "--batch-sizes", "1-4", "--max-k", "2",
+            "--context-len", "64", "--trials", "2", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    data = yaml.safe_load(out.read_text())
+    assert data["costs"]["timer"] == "cuda-graph" and data["workload"]["device"] == "cuda"
+    assert data["costs"]["capture"] and data["costs"]["model"]["overhead"]["source"] == "pack-kernel"
+    assert data["hardware"]["gpu"] != "cpu"
