@@ -3,8 +3,9 @@
 Structure (an outer Optuna study, an inner enumeration):
 - ``OperatingGrid``: for every batch b in 1..max_batch, draft length K in 0..max_k and candidate
   tier t >= b of a fixed universe, the step with budget B = min(b*K, t - b) (a step pays for its
-  tier, so filling it is free) -- expected tokens (analytic, survival allocation), step ms and
-  J/token. Computed once.
+  tier, so filling it is free) -- expected tokens (analytic, survival allocation, over the
+  *in-flight* request mix of a serving loop: hard requests stay longer in the batch, see
+  ``simulator.inflight_weights``), step ms and J/token. Computed once.
 - Optuna searches the tier set (one on/off decision per universe tier, under the capture memory
   and seconds budgets); for a tier set, each b independently picks its best candidate (its own
   operating point). The study starts from two enqueued tier sets: all tiers (when they fit the
@@ -18,7 +19,8 @@ Objectives (per b, then averaged over b against the all-tiers optimum):
   ms bounds every inter-token latency of that step, so it is a safe p99 proxy).
 ``pareto``: NSGA-II over the tier set, an energy weight and a step-ms cap; objectives mean gain
 vs plain (max), mean J/token vs plain (min), mean step ms vs plain (min, p99 proxy).
-Online correction settings are defaults (``DEFAULT_ONLINE``), not searched.
+Online correction settings are defaults (``DEFAULT_ONLINE``), not searched; the online prior is
+the in-flight mean curve (``live_prior``).
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ import numpy as np
 import optuna
 
 from spectune.autotune.acceptance import AcceptanceModel
-from spectune.autotune.simulator import Mixture, expected_tokens
+from spectune.autotune.simulator import Mixture, expected_tokens, inflight_weights
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import smallest_tier, step_ms
 from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import CapturePoint, Online, Policy, Row
 
 Objective = Literal["goodput", "energy", "latency"]
-DEFAULT_ONLINE = {"ema": 0.05, "hysteresis": 0.1, "min_k": 1}
+DEFAULT_ONLINE = {"ema": 0.05, "hysteresis": 0.1, "min_k": 1, "min_evidence": 256.0}
 
 
 class SearchError(SpectuneError):
@@ -47,14 +49,15 @@ class SearchError(SpectuneError):
 
 
 def tier_universe(max_batch: int, max_k: int) -> list[int]:
-    """Candidate tiers: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5x) up to b*(K+1), every
-    multiple of 8 up to max_batch (plain decoding pads little), and max_batch itself."""
+    """Candidate tiers: 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, ... (powers of two and 1.5x; from 8
+    on also 1.25x and 1.75x, so padding stays under 15%) up to b*(K+1), every multiple of 8 up to
+    max_batch (plain decoding pads little), and max_batch itself."""
     top = max_batch * (max_k + 1)
     out, p = {max_batch, *range(8, max_batch + 1, 8)}, 1
     while p <= top:
         out.add(p)
-        if p >= 2 and p * 3 // 2 <= top:
-            out.add(p * 3 // 2)
+        steps = (3, 5, 6, 7) if p >= 8 else (6,) if p >= 2 else ()
+        out.update(p * s // 4 for s in steps if p * s // 4 <= top)
         p *= 2
     out.add(top)
     return sorted(out)
@@ -118,7 +121,7 @@ class OperatingGrid:
                 budgets = budgets[budgets > 0] if k else np.zeros(len(idx), np.int64)
                 if not len(keep):
                     continue
-                tk = expected_tokens(mix, b, k, budgets)
+                tk = expected_tokens(mix, b, k, budgets, inflight=True)
                 for t_i, bud, e in zip(keep, budgets, tk, strict=True):
                     t = int(tiers[t_i])
                     m = step_ms(cost, b, k, t)
@@ -126,7 +129,7 @@ class OperatingGrid:
                     ms.append(m), js.append(joule(t, m))
                 exact = b * (k + 1)
                 m_exact = step_ms(cost, b, k, exact)
-                g.fixed_tok_s[b - 1, k] = float(expected_tokens(mix, b, k, [b * k])[0]) / m_exact * 1000
+                g.fixed_tok_s[b - 1, k] = float(expected_tokens(mix, b, k, [b * k], inflight=True)[0]) / m_exact * 1000
                 if k == 0:
                     g.plain_ms[b - 1] = m_exact
                     g.plain_tok_s[b - 1] = b / m_exact * 1000
@@ -341,11 +344,24 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
             break
         cutoff = c.batch
     online = Online(DEFAULT_ONLINE["ema"], DEFAULT_ONLINE["hysteresis"], min_k=int(DEFAULT_ONLINE["min_k"]),
-                    max_k=max_k, prior=[round(a, 6) for a in acceptance.mean_conditional()[:max_k]])
+                    max_k=max_k, prior=live_prior(acceptance, choices, max_k),
+                    min_evidence=DEFAULT_ONLINE["min_evidence"])
     policy = Policy(tiers=used, rows=rows_from_choices(choices), online=online,
                     objective="pareto" if pareto else objective)
     return SearchResult(policy, choices, float(mib[used_idx].sum()), float(sec[used_idx].sum()), cutoff,
                         len(study.trials), front)
+
+
+def live_prior(acceptance: AcceptanceModel, choices: list[Choice], max_k: int) -> list[float]:
+    """Conditional rates [max_k] the runtime should observe when the traffic is as tuned: the mean
+    curve of the in-flight mix (full budget, at the K of the smallest speculative batch size)."""
+    mix = Mixture.of(acceptance, max_k)
+    k = next((c.k for c in choices if c.k > 0), max_k)
+    w = inflight_weights(mix, 1, k, [k])[0]  # [C]
+    surv = w @ mix.survival  # [max_k]
+    prev = np.concatenate([[1.0], surv[:-1]])
+    rates = np.divide(surv, prev, out=np.zeros_like(surv), where=prev > 0)
+    return [round(float(min(1.0, a)), 6) for a in rates]
 
 
 def _pareto_study(grid, mask_of, mib, sec, budget, trials, seed, starts, free, uni, front) -> optuna.Study:

@@ -20,6 +20,7 @@ the class survival prior.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from spectune.runtime.schema import SpectuneError
 Allocation = Literal["survival", "uniform"]
 MAX_EXACT_COMBOS = 4096  # above this many class-count vectors, average over sampled ones
 SAMPLED_COMBOS = 2048
+INFLIGHT_ITERATIONS = 8  # fixed-point steps of the in-flight class mix (exact after one at b = 1)
 
 
 class InvalidPolicy(SpectuneError):
@@ -88,6 +90,15 @@ class Mixture:
 # analytic expectation
 
 
+@functools.lru_cache(maxsize=64)
+def _counts_cached(weights: tuple[float, ...], batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(count vectors [M, C], their probabilities [M], log multinomial coefficients [M], sampled)."""
+    n, p = _class_counts(np.array(weights), batch)
+    log_fact = math.lgamma(batch + 1) - np.vectorize(math.lgamma)(n + 1).sum(1)
+    c = len(weights)
+    return n, p, log_fact, c > 1 and math.comb(batch + c - 1, c - 1) > MAX_EXACT_COMBOS
+
+
 def _class_counts(weights: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Count vectors n [M, C] of ``batch`` requests over classes and their probabilities [M]."""
     c = len(weights)
@@ -109,39 +120,95 @@ def _class_counts(weights: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarr
     return n, np.full(len(n), 1.0 / len(n))
 
 
+def _class_tokens_fn(mix: Mixture, batch: int, k: int, bud: np.ndarray, allocation: Allocation):
+    """A function: class weights [nB, C] -> expected tokens per step emitted by each class's
+    requests [nB, C], when the batch's classes are multinomial(batch, weights) (one weight row per
+    budget). What does not depend on the weights is computed once."""
+    c = len(mix.weights)
+    surv = mix.survival[:, :k]  # [C, K]
+    if allocation == "uniform" or c == 1:
+        # every request: 1 + s_1..s_q, and r of the b requests (at random) one more draft
+        q, r = np.divmod(bud, batch)  # [nB]
+        prefix = np.concatenate([np.zeros((c, 1)), np.cumsum(surv, 1)], 1)  # [C, K+1]
+        nxt = np.concatenate([surv, np.zeros((c, 1))], 1)  # [C, K+1]
+        per_req = 1.0 + prefix[:, q].T + (r / batch)[:, None] * nxt[:, np.minimum(q, k)].T  # [nB, C]
+        return lambda w: batch * w * per_req
+    # survival rule: the top-B survival values over the batch's (request, position) pairs
+    n, _, log_fact, sampled = _counts_cached(tuple(mix.weights.tolist()), batch)  # [M, C], [M], [M]
+    vals = surv.reshape(-1)  # [C*K], class-major
+    order = np.argsort(-vals, kind="stable")
+    v = vals[order]
+    cls = np.repeat(np.arange(c), k)[order]
+    onehot = np.eye(c)[np.concatenate([cls, [0]])]  # [C*K+1, C]
+    mult = n[:, cls]  # [M, C*K] copies of each value
+    cum_n = np.concatenate([np.zeros((len(n), 1)), np.cumsum(mult, 1)], 1)  # [M, C*K+1]
+    cum_vc = np.concatenate([np.zeros((len(n), 1, c)), np.cumsum((mult * v)[:, :, None] * onehot[None, :-1], 1)], 1)
+    j = (cum_n[:, None, 1:] < bud[None, :, None]).sum(2)  # [M, nB] index of the value B ends in
+    rows = np.arange(len(n))[:, None]
+    vj = np.concatenate([v, [0.0]])[j]  # [M, nB]
+    part = (bud[None, :] - cum_n[rows, j]) * vj  # [M, nB] the value B ends in, partly taken
+    tokens = n[:, None, :] + cum_vc[rows, j] + part[:, :, None] * onehot[j]  # [M, nB, C]
+    log_w0 = np.log(np.maximum(mix.weights, 1e-300))
+
+    def by_weights(w: np.ndarray) -> np.ndarray:
+        logw = np.log(np.maximum(w, 1e-300))  # [nB, C]
+        # exact: multinomial probabilities; sampled: importance weights vs the sampling weights
+        logp = (n @ (logw - log_w0).T) if sampled else log_fact[:, None] + n @ logw.T  # [M, nB]
+        p = np.exp(logp - logp.max(0))
+        p = p / p.sum(0)
+        return np.einsum("mb,mbc->bc", p, tokens)
+
+    return by_weights
+
+
+def inflight_weights(mix: Mixture, batch: int, k: int, budgets: Sequence[int] | np.ndarray,
+                     allocation: Allocation = "survival", iterations: int = INFLIGHT_ITERATIONS) -> np.ndarray:
+    """Class mix of the requests *in flight* [nB, C] under continuous batching.
+
+    Requests of every class have the same output lengths, so a class that emits fewer tokens per
+    step stays longer in the batch: in steady state each class's share of the emitted tokens equals
+    its arrival weight. Fixed point pi_c <- pi_c * w_c / share_c(pi), from pi = w (exact in one
+    step at batch 1 or with the full budget, where share_c = pi_c * tau_c / sum(pi * tau)).
+    """
+    bud = np.minimum(np.asarray(budgets, dtype=np.int64), batch * k)
+    w = np.tile(mix.weights, (len(bud), 1))
+    if k == 0 or len(mix.weights) == 1:
+        return w
+    return _fixed_point(mix, _class_tokens_fn(mix, batch, k, bud, allocation), w, iterations)
+
+
+def _fixed_point(mix: Mixture, class_tokens, w: np.ndarray, iterations: int) -> np.ndarray:
+    for _ in range(iterations):
+        t = class_tokens(w)
+        share = t / t.sum(1, keepdims=True)
+        w = w * mix.weights[None, :] / np.maximum(share, 1e-300)
+        w = w / w.sum(1, keepdims=True)
+    return w
+
+
 def expected_tokens(mix: Mixture, batch: int, k: int, budgets: Sequence[int] | np.ndarray,
-                    allocation: Allocation = "survival") -> np.ndarray:
-    """Expected emitted tokens per step for each budget B (<= b*K) at batch b, draft length K."""
+                    allocation: Allocation = "survival", inflight: bool = False) -> np.ndarray:
+    """Expected emitted tokens per step for each budget B (<= b*K) at batch b, draft length K.
+
+    ``inflight`` False: the batch's classes are drawn with the arrival weights (one step of fresh
+    requests). True: with the in-flight weights of a serving loop (``inflight_weights``): the
+    goodput a continuous-batching server sees, which the policy search optimises.
+    """
     bud = np.minimum(np.asarray(budgets, dtype=np.int64), batch * k)
     if k == 0:
         return np.full(bud.shape, float(batch))
-    mean = mix.weights @ mix.survival[:, :k]  # [K] mixture mean survival
-    if allocation == "uniform" or len(mix.weights) == 1:
-        q, r = np.divmod(bud, batch)
-        prefix = np.concatenate([[0.0], np.cumsum(mean)])  # [K+1]
-        nxt = np.concatenate([mean, [0.0]])
-        return batch + batch * prefix[q] + r * nxt[np.minimum(q, k)]
-    # survival rule: E[b + sum of the top-B survival values over the batch's (request, position)]
-    n, p = _class_counts(mix.weights, batch)  # [M, C], [M]
-    vals = mix.survival[:, :k].reshape(-1)  # [C*K], class-major
-    order = np.argsort(-vals, kind="stable")
-    v = vals[order]
-    cls = np.repeat(np.arange(len(mix.weights)), k)[order]
-    mult = n[:, cls]  # [M, C*K] copies of each value
-    cum_n = np.concatenate([np.zeros((len(n), 1)), np.cumsum(mult, 1)], 1)  # [M, C*K+1]
-    cum_v = np.concatenate([np.zeros((len(n), 1)), np.cumsum(mult * v, 1)], 1)
-    j = (cum_n[:, None, 1:] < bud[None, :, None]).sum(2)  # [M, nB] index of the value B ends in
-    rows = np.arange(len(n))[:, None]
-    vj = np.concatenate([v, [0.0]])[j]
-    top = cum_v[rows, j] + (bud[None, :] - cum_n[rows, j]) * vj
-    return batch + p @ top
+    class_tokens = _class_tokens_fn(mix, batch, k, bud, allocation)
+    w = np.tile(mix.weights, (len(bud), 1))
+    if inflight and len(mix.weights) > 1:
+        w = _fixed_point(mix, class_tokens, w, INFLIGHT_ITERATIONS)
+    return class_tokens(w).sum(1)
 
 
 def expected_goodput(cost: CostModel, acceptance: AcceptanceModel | Mixture, batch: int, k: int,
-                     budget: int, tier: int, allocation: Allocation = "survival") -> float:
+                     budget: int, tier: int, allocation: Allocation = "survival", inflight: bool = False) -> float:
     """Expected emitted tokens per second of one step shape."""
     mix = acceptance if isinstance(acceptance, Mixture) else Mixture.of(acceptance, max(k, 1))
-    tokens = float(expected_tokens(mix, batch, k, [budget], allocation)[0])
+    tokens = float(expected_tokens(mix, batch, k, [budget], allocation, inflight)[0])
     return tokens / step_ms(cost, batch, k, tier) * 1000.0
 
 
@@ -171,21 +238,43 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
     return float(values[order][min(i, len(values) - 1)])
 
 
-def _grant(prior: np.ndarray, k: int, budget: int, allocation: Allocation,
-           rng: np.random.Generator) -> np.ndarray:
-    """Drafts granted per request [b] from the class survival prior [b, K]."""
+# counter-based uniforms: request j's class, length and the difficulty of each of its output
+# tokens are pure functions of (seed, j, token), so arms run with one seed see the same requests
+# and the same acceptance draws whatever K they verify (common random numbers)
+_STREAM_CLASS, _STREAM_LENGTH, _STREAM_TIE, _STREAM_TOKEN = 0, 1, 2, 3
+_M1, _M2, _G = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def crn_uniform(seed: int, stream: int, request: np.ndarray, index: np.ndarray | int = 0) -> np.ndarray:
+    """Uniforms in [0, 1) keyed by (seed, stream, request id, index); broadcasts like numpy."""
+    r = np.asarray(request, dtype=np.int64).astype(np.uint64)
+    i = np.asarray(index, dtype=np.int64).astype(np.uint64)
+    key = np.uint64(((seed * 4 + stream) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        x = key + r * np.uint64(0xD1B54A32D192ED03) + i * _G
+        # splitmix64 finaliser
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M1
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M2
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def _grant(prior: np.ndarray, k: int, budget: int, allocation: Allocation, tie: np.ndarray) -> np.ndarray:
+    """Drafts granted per request [b] from the class survival prior [b, K]; ``tie`` [b] breaks ties
+    between like requests (within a request positions go in order)."""
     b = prior.shape[0]
     if budget >= b * k:
         return np.full(b, k)
     if allocation == "uniform":
         q, r = divmod(budget, b)
         g = np.full(b, q)
-        g[rng.permutation(b)[:r]] += 1
+        g[np.argsort(tie, kind="stable")[:r]] += 1
         return g
-    # top-B pairs; ties between like requests broken at random, within a request by position
-    tie = np.repeat(rng.random(b), k)
+    # top-B pairs by survival
     pos = np.tile(np.arange(k), b)
-    chosen = np.lexsort((pos, tie, -prior.reshape(-1)))[:budget]
+    chosen = np.lexsort((pos, np.repeat(tie, k), -prior.reshape(-1)))[:budget]
     return np.bincount(chosen // k, minlength=b)
 
 
@@ -195,26 +284,41 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
              mean_output_tokens: float = 256.0) -> SimResult:
     """Run ``concurrency`` live requests for ``steps`` steps (or until ``requests`` finished).
 
+    Request j (in arrival order) has a class, an output length (geometric, mean
+    ``mean_output_tokens``) and a uniform per output token; draft i of a step that starts at output
+    token n is accepted when the uniform of token n + i is below the class's conditional rate a_i.
+    Two runs with one seed therefore share requests and draws (common random numbers): the ratio
+    of two policies' goodputs is not blurred by different samples.
+
     ``accept_scale`` scales the true conditional rates of the live traffic (drift) while the
     allocation still ranks by the tuned prior. ``policy_fn.observe`` (if any) gets each step's
-    acceptance counters one step late.
+    acceptance counters one step late: accepted and tested drafts per position (a draft is tested
+    when it was granted and every draft before it was accepted).
     """
     if concurrency < 1:
         raise SpectuneError(f"concurrency must be >= 1, got {concurrency}")
     if context_len is not None:
         cost = dataclasses.replace(cost, context_len=context_len)
-    rng = np.random.default_rng(seed)
     mix = Mixture.of(acceptance)
     b, kmax = concurrency, mix.max_k
     true_accept = np.clip(mix.accept * accept_scale, 0.0, 1.0)
     observe = getattr(policy_fn, "observe", None)
+    cum_w = np.cumsum(mix.weights)
+    p_end = 1.0 / max(1.0, mean_output_tokens)
 
-    def new_requests(n: int) -> tuple[np.ndarray, np.ndarray]:
-        cls = rng.choice(len(mix.weights), size=n, p=mix.weights)
-        length = np.maximum(1, rng.geometric(1.0 / max(1.0, mean_output_tokens), size=n))
-        return cls, length
+    def new_requests(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cls = np.minimum(np.searchsorted(cum_w, crn_uniform(seed, _STREAM_CLASS, ids), side="right"),
+                         len(cum_w) - 1)
+        if p_end >= 1.0:
+            return cls, np.ones(len(ids), np.int64)
+        u = crn_uniform(seed, _STREAM_LENGTH, ids)
+        length = np.ceil(np.log1p(-u) / math.log1p(-p_end))  # geometric on 1, 2, ...
+        return cls, np.maximum(1, length).astype(np.int64)
 
-    cls, remaining = new_requests(b)
+    req = np.arange(b, dtype=np.int64)  # [b] request id per slot
+    next_req = b
+    cls, remaining = new_requests(req)
+    made = np.zeros(b, np.int64)  # [b] output tokens emitted so far per slot
     lat, wts = [], []
     k_hist: dict[int, int] = {}
     tier_hist: dict[int, int] = {}
@@ -228,16 +332,17 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
         if plan.tier is None or plan.tier < b + plan.verify_budget:
             raise InvalidPolicy(f"batch {b}: no captured tier holds {b + plan.verify_budget} tokens")
         k = min(plan.k, kmax)
-        g = _grant(mix.survival[cls, :k], k, min(plan.verify_budget, b * k), allocation, rng) if k else np.zeros(b, int)
         if k:
-            ok = rng.random((b, k)) < true_accept[cls, :k]
-            ok &= np.arange(k)[None, :] < g[:, None]
+            tie = crn_uniform(seed, _STREAM_TIE, req, made)
+            g = _grant(mix.survival[cls, :k], k, min(plan.verify_budget, b * k), allocation, tie)
+            cols = np.arange(k)[None, :]
+            u = crn_uniform(seed, _STREAM_TOKEN, req[:, None], made[:, None] + cols)
+            ok = (u < true_accept[cls, :k]) & (cols < g[:, None])
             accepted = np.cumprod(ok, 1).sum(1)
-            tested = (np.arange(k)[None, :] < g[:, None]) & (np.arange(k)[None, :] <= accepted[:, None])
-            pending = (np.bincount(np.nonzero(np.arange(k)[None, :] < accepted[:, None])[1], minlength=k),
-                       tested.sum(0))
+            tested = (cols < g[:, None]) & (cols <= accepted[:, None])
+            pending = ((cols < accepted[:, None]).sum(0), tested.sum(0))
         else:
-            accepted = np.zeros(b, int)
+            accepted = np.zeros(b, np.int64)
             pending = None
         emitted = np.minimum(accepted + 1, remaining)
         ms = step_ms(cost, b, k, plan.tier)
@@ -251,10 +356,15 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
         tier_hist[plan.tier] = tier_hist.get(plan.tier, 0) + 1
         n_steps += 1
         remaining = remaining - emitted
+        made = made + emitted
         finished = remaining <= 0
         if finished.any():
-            done += int(finished.sum())
-            cls[finished], remaining[finished] = new_requests(int(finished.sum()))
+            n_new = int(finished.sum())
+            done += n_new
+            req[finished] = np.arange(next_req, next_req + n_new)
+            next_req += n_new
+            cls[finished], remaining[finished] = new_requests(req[finished])
+            made[finished] = 0
             if requests is not None and done >= requests:
                 break
     all_lat, all_w = np.concatenate(lat), np.concatenate(wts).astype(float)

@@ -5,9 +5,20 @@ drafter does not run), the verify budget B (draft tokens checked this step over 
 and the captured tier to replay (smallest tier >= b + B).
 
 ``observe(accepted_per_pos, offered_per_pos)`` takes the device's acceptance counters of the
-previous step (host copies, one step late) and keeps an EMA of the conditional per-position
-acceptance; when the EMA says another K beats the current one by more than ``online.hysteresis``
-it moves K for the current row, never to a shape that has no captured tier.
+previous step (host copies, one step late) and keeps count-weighted EMA sums of them (each step
+decays the sums by ``1 - online.ema`` and adds its counts, so a step that tested more drafts
+weighs more). From them it estimates the live conditional rates: a pooled drift ratio
+``rho = sum(accepted) / sum(tested * prior)`` scales the prior, and each position's own counts
+pull its rate away from ``prior * rho`` as they grow (shrinkage with ``SHRINK`` pseudo-drafts).
+K leaves the table's value only when
+  - the EMA holds at least ``online.min_evidence`` tested first-position drafts (about
+    batch / ema: one request's class must not pass for a drift of the whole traffic), and
+  - the cost model predicts, under the estimated rates, a goodput gain above ``online.hysteresis``
+    for the new K over the table's K.
+The new K moves by as much as the optimum of the homogeneous estimate moved from the optimum of
+the prior (the table's K already folds in the request mixture and the allocation rule), never to
+a shape that has no captured tier; when the evidence or the predicted gain is gone, K returns to
+the table's value. In a stationary workload the estimate stays at the prior, so K stays put.
 
 Counters, per draft position i = 0..len-1 (position i + 1 in the survival words):
   offered_per_pos[i]:  drafts at position i + 1 that were tested (granted, and position i accepted)
@@ -34,6 +45,7 @@ from spectune.runtime.schema import SpectuneError, TableError
 from spectune.runtime.table import Row, Table, read_table
 
 OnMismatch = Literal["warn", "refuse", "ignore"]
+SHRINK = 32.0  # pseudo-drafts at prior * drift per position in the online rate estimate
 
 
 class PolicyMismatch(SpectuneError):
@@ -163,26 +175,24 @@ class Planner:
     def observe(self, accepted_per_pos: Any, offered_per_pos: Any) -> None:
         acc = _host_list(accepted_per_pos)
         off = _host_list(offered_per_pos)
-        w = self.policy.online.ema
-        n = min(len(acc), len(off), len(self.ema))
-        seen = [i for i in range(n) if off[i] > 0]
-        if not seen:
-            return
-        # count-weighted EMA: rate_i = num_i / den_i, num and den decay by (1 - w) per step
-        for i in seen:
-            self._num[i] += w * (min(acc[i], off[i]) - self._num[i])
-            self._den[i] += w * (off[i] - self._den[i])
-            self.ema[i] = self._num[i] / self._den[i] if self._den[i] > 0 else self.prior[i]
-        # positions not tested this step get one pseudo-observation of their prior, scaled as the
-        # tested positions' estimates are, so they follow a drift they cannot see
-        ratios = [self.ema[i] / self.prior[i] for i in seen if self.prior[i] > 0]
-        scale = sum(ratios) / len(ratios) if ratios else 1.0
-        for i in range(len(self.ema)):
-            if i not in seen:
-                self._num[i] += w * (min(1.0, self.prior[i] * scale) - self._num[i])
-                self._den[i] += w * (1.0 - self._den[i])
-                self.ema[i] = self._num[i] / self._den[i] if self._den[i] > 0 else self.prior[i]
+        keep = 1.0 - self.policy.online.ema
+        n = len(self.prior)
+        for i in range(n):
+            tested = off[i] if i < len(off) else 0.0
+            self._acc[i] = keep * self._acc[i] + (min(acc[i], tested) if i < len(acc) else 0.0)
+            self._off[i] = keep * self._off[i] + tested
+        # pooled drift of the whole curve, then per position: (A_i + m * prior_i * rho) / (O_i + m)
+        expect = sum(o * p for o, p in zip(self._off, self.prior, strict=True))
+        self.drift = sum(self._acc) / expect if expect > 0 else 1.0
+        for i in range(n):
+            base = min(1.0, self.prior[i] * self.drift)
+            self.ema[i] = (self._acc[i] + SHRINK * base) / (self._off[i] + SHRINK)
         self._correct_k()
+
+    @property
+    def evidence(self) -> float:
+        """Tested first-position drafts in the EMA (count-weighted)."""
+        return self._off[0] if self._off else 0.0
 
     def _best_k(self, batch: int, rates: Sequence[float]) -> tuple[int, dict[int, float]]:
         options = self._plans[batch]
@@ -198,22 +208,24 @@ class Planner:
         row_k = self.policy.rows[r].k
         if row_k == 0:
             return  # the table says drafting does not pay here; no statistics to correct from
+        online = self.policy.online
+        if self.evidence < online.min_evidence:
+            self.cur_k[r] = row_k
+            return
         if b not in self._prior_best:
             self._prior_best[b] = self._best_k(b, self.prior)[0]
         best_now, g = self._best_k(b, self.ema)
         if best_now < 0:
             return
-        # move by as much as the optimum moved from the prior (the table's K already folds in
-        # the request mixture and the allocation rule, which this homogeneous estimate does not)
         want = min(self.k_hi, max(self.k_lo, row_k + best_now - self._prior_best[b]))
         while want not in g and want > self.k_lo:
             want -= 1
-        cur = self.cur_k[r]
-        if want not in g or want == cur:
+        if want not in g:
             return
-        # leaving the table's K needs a gain above the hysteresis; returning to it does not
-        if want == row_k or g[want] > g.get(cur, 0.0) * (1.0 + self.policy.online.hysteresis):
-            self.cur_k[r] = want
+        # leave the table's K only for a predicted gain above the hysteresis
+        base = g.get(row_k)
+        moves = want != row_k and (base is None or g[want] > base * (1.0 + online.hysteresis))
+        self.cur_k[r] = want if moves else row_k
 
     def _goodput(self, batch: int, p: Plan, rates: Sequence[float]) -> float:
         assert p.tier is not None
@@ -222,9 +234,10 @@ class Planner:
 
     def reset_online(self) -> None:
         self.cur_k = [row.k for row in self.policy.rows]
-        self.ema = list(self.prior)
-        self._num = list(self.prior)  # one pseudo-observation of the prior per position
-        self._den = [1.0] * len(self.prior)
+        self.ema = list(self.prior)  # estimated conditional rates per position
+        self.drift = 1.0
+        self._acc: list[float] = [0.0] * len(self.prior)  # count-weighted EMA sums of accepted drafts
+        self._off: list[float] = [0.0] * len(self.prior)  # ... and of tested drafts
         self._prior_best: dict[int, int] = {}
 
 

@@ -209,9 +209,13 @@ class Online:
     min_k: int = 0
     max_k: int | None = None
     prior: list[float] | None = None  # conditional per-position acceptance tuned on, [max_k]
+    # tested drafts the count-weighted EMA must hold before K leaves the table's value; the
+    # EMA holds about (tested drafts per step) / ema, so small batches need longer windows
+    min_evidence: float = 256.0
 
     def validate(self, path: str) -> None:
         require(0.0 < self.ema <= 1.0, f"{path}.ema", "must be in (0, 1]")
+        require(self.min_evidence >= 0.0, f"{path}.min_evidence", "must be >= 0")
         require(0.0 <= self.hysteresis < 1.0, f"{path}.hysteresis", "must be in [0, 1)")
         require(self.min_k >= 0, f"{path}.min_k", "must be >= 0")
         require(self.max_k is None or self.max_k >= self.min_k, f"{path}.max_k", "must be >= min_k")

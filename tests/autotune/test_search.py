@@ -111,3 +111,69 @@ def test_cli_tune(tmp_path, capsys):
     rc = main(["tune", str(prof), "--acceptance", "nonsense", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "acceptance" in err
+
+
+SMALL = CostModelParams(TargetCost(2.0, 0.01, 64, 0.05, 5.0), DrafterCost(0.02, 0.2, 0.002),
+                        OverheadCost(0.05, 0.0), None)
+HETERO = AcceptanceModel.mixture_with_same_mean([0.78, 0.58, 0.43, 0.31, 0.21, 0.14, 0.1], max_k=7, spread=0.9)
+
+
+@pytest.fixture(scope="module")
+def hetero_table():
+    return tune_table(_profile(SMALL, 16, 7), HETERO, trials=4)
+
+
+class TableOnly:
+    def __init__(self, table):
+        self.planner = Planner(table)
+
+    def plan(self, b):
+        return self.planner.plan(b)
+
+
+def test_policy_tuned_on_the_mixture_beats_every_fixed_k(hetero_table):
+    from spectune.autotune.simulator import Mixture, expected_tokens
+    from spectune.autotune.tuner import cost_model
+    from spectune.runtime.planner import step_ms
+
+    cost, mix = cost_model(hetero_table), Mixture.of(HETERO)
+
+    def serving(b, k, budget, tier):
+        return expected_tokens(mix, b, k, [budget], inflight=True)[0] / step_ms(cost, b, k, tier)
+
+    for b in (1, 2, 4, 8, 16):
+        p = Planner(hetero_table).plan(b)
+        best_fixed = max(serving(b, k, b * k, b * (k + 1)) for k in range(8))
+        assert serving(b, p.k, p.verify_budget, p.tier) >= 0.99 * best_fixed
+
+
+def test_online_prior_is_the_inflight_curve(hetero_table):
+    prior = hetero_table.policy.online.prior
+    # hard requests stay longer in the batch: the live first-position rate is below the arrival mean
+    assert prior[0] < HETERO.mean_conditional()[0] - 0.05
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_online_correction_keeps_stationary_goodput(hetero_table, b):
+    from spectune.autotune.simulator import simulate
+    from spectune.autotune.tuner import cost_model
+
+    cost = cost_model(hetero_table)
+    kw = dict(concurrency=b, steps=1500, seed=11, mean_output_tokens=64.0)
+    online = simulate(cost, HETERO, Planner(hetero_table), **kw)
+    table = simulate(cost, HETERO, TableOnly(hetero_table), **kw)
+    assert online.goodput_tok_s >= 0.99 * table.goodput_tok_s
+
+
+def test_online_correction_follows_a_collapse(hetero_table):
+    from spectune.autotune.simulator import simulate
+    from spectune.autotune.tuner import cost_model
+
+    cost = cost_model(hetero_table)
+    kw = dict(concurrency=16, steps=1500, seed=3, mean_output_tokens=64.0, accept_scale=0.3)
+    planner = Planner(hetero_table)
+    online = simulate(cost, HETERO, planner, **kw)
+    table = simulate(cost, HETERO, TableOnly(hetero_table), **kw)
+    assert planner.drift < 0.5 and planner.evidence >= hetero_table.policy.online.min_evidence
+    assert min(online.k_hist) < min(table.k_hist)
+    assert online.goodput_tok_s > table.goodput_tok_s

@@ -8,6 +8,7 @@ from spectune.autotune.simulator import (
     Mixture,
     expected_goodput,
     expected_tokens,
+    inflight_weights,
     simulate,
 )
 from spectune.runtime.costs import CostModel
@@ -94,3 +95,55 @@ def test_drift_scale_lowers_acceptance():
     hi = simulate(constant_cost(), acc, FixedK(2), concurrency=4, steps=500, seed=1)
     lo = simulate(constant_cost(), acc, FixedK(2), concurrency=4, steps=500, seed=1, accept_scale=0.3)
     assert lo.mean_accept_len < hi.mean_accept_len
+
+
+def test_common_random_numbers_share_requests_across_arms():
+    acc = AcceptanceModel.mixture_with_same_mean([0.8, 0.6, 0.4], max_k=3, spread=0.9)
+    kw = dict(concurrency=1, steps=100_000, requests=30, mean_output_tokens=40.0, seed=5)
+    # one request at a time: whatever K, the arms emit exactly the first 30 requests' tokens
+    runs = [simulate(constant_cost(), acc, FixedK(k), **kw) for k in range(4)]
+    assert len({r.tokens for r in runs}) == 1 and all(r.requests_done == 30 for r in runs)
+    assert runs[3].steps < runs[0].steps
+    other = simulate(constant_cost(), acc, FixedK(0), **{**kw, "seed": 6})
+    assert other.tokens != runs[0].tokens
+
+
+def test_crn_uniform_is_uniform_and_keyed():
+    from scipy.stats import kstest
+
+    from spectune.autotune.simulator import crn_uniform
+
+    u = crn_uniform(3, 1, np.arange(200)[:, None], np.arange(50)[None, :])
+    assert u.shape == (200, 50) and kstest(u.reshape(-1), "uniform").pvalue > 1e-3
+    assert np.array_equal(u, crn_uniform(3, 1, np.arange(200)[:, None], np.arange(50)[None, :]))
+    assert not np.allclose(u, crn_uniform(4, 1, np.arange(200)[:, None], np.arange(50)[None, :]))
+
+
+def test_inflight_mix_is_harmonic_at_batch_one():
+    # easy requests emit 1 + 0.9 + 0.8 tokens per step, hard ones 1 + 0.1 + 0.01: hard requests stay
+    # longer, so one request at a time yields the harmonic mean of tokens per step
+    acc = AcceptanceModel.from_dict({"source": "t", "max_k": 2, "components": [
+        {"weight": 0.5, "accept": [0.9, 0.8 / 0.9]}, {"weight": 0.5, "accept": [0.1, 0.1]}]})
+    mix = Mixture.of(acc)
+    tau = np.array([2.7, 1.11])
+    harmonic = 1.0 / (0.5 / tau).sum()
+    assert expected_tokens(mix, 1, 2, [2], inflight=True)[0] == pytest.approx(harmonic)
+    assert expected_tokens(mix, 1, 2, [2])[0] == pytest.approx(tau.mean())
+    assert inflight_weights(mix, 1, 2, [2])[0] == pytest.approx(0.5 / tau / (0.5 / tau).sum())
+
+
+@pytest.mark.parametrize("k, budget", [(3, 12), (3, 5)])  # full budget, and a binding one
+def test_monte_carlo_matches_inflight_expectation(k, budget):
+    acc = AcceptanceModel.mixture_with_same_mean([0.8, 0.6, 0.4], max_k=3, spread=0.9)
+    mix = Mixture.of(acc)
+
+    class Fixed:
+        def plan(self, b):
+            return Plan(k, budget, b + budget)
+
+    # ~2000 requests of ~100 tokens: the class mix in flight is what a server sees
+    res = simulate(constant_cost(), acc, Fixed(), concurrency=4, steps=15_000, seed=2, mean_output_tokens=100.0)
+    serving = expected_tokens(mix, 4, k, [budget], inflight=True)[0]
+    arrival = expected_tokens(mix, 4, k, [budget])[0]
+    assert arrival > 1.05 * serving
+    assert res.mean_accept_len * 4 == pytest.approx(serving, rel=0.025)

@@ -91,7 +91,9 @@ def step(p: Planner, b: int, rate: float, n: int) -> Plan:
 
 def test_observe_lowers_k_on_collapse_and_recovers():
     table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)],
-                       tiers=[2, 4, 8, 16, 24, 32, 40])
+                       tiers=[2, 4, 8, 16, 24, 32, 40],
+                       online=Online(ema=0.3, hysteresis=0.05, min_k=1, max_k=6, prior=[0.8] * 6,
+                                     min_evidence=16))
     p = Planner(table)
     assert p.plan(8).k == 4
     low = step(p, 8, 0.1, 60)
@@ -108,3 +110,20 @@ def test_observe_respects_captured_tiers():
     p = Planner(table)
     plan = step(p, 8, 1.0, 100)
     assert 8 + plan.verify_budget <= 24 and plan.k <= 2
+
+
+def test_too_little_evidence_keeps_the_table_k():
+    # one request's counters (b = 1, ema 0.05: ~20 tested first drafts) never move K
+    table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=[2, 4, 8, 16, 24, 32, 40],
+                       online=Online(ema=0.05, hysteresis=0.05, min_k=1, max_k=6, prior=[0.8] * 6,
+                                     min_evidence=64))
+    p = Planner(table)
+    assert step(p, 1, 0.05, 300).k == 4 and p.evidence < 64 and p.drift < 0.2
+    assert step(p, 8, 0.05, 300).k < 4 and p.evidence >= 64
+
+
+def test_stationary_counters_keep_the_table_k():
+    p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=[2, 4, 8, 16, 24, 32, 40],
+                           online=Online(ema=0.1, hysteresis=0.1, min_k=1, max_k=6, prior=[0.8] * 6,
+                                         min_evidence=16)))
+    assert step(p, 8, 0.8, 200).k == 4 and p.drift == pytest.approx(1.0)
