@@ -308,13 +308,78 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="serving A/B: plain vs fixed K vs the policy")
-    p.add_argument("--policy", required=True)
+    p = sub.add_parser("bench", help="serving A/B: plain vs fixed K vs the policy",
+                       description="Serve random prompts with a continuous-batching engine on the "
+                                   "production shapes (random weights) for each concurrency and arm; "
+                                   "acceptance is replayed from an acceptance model (docs/BENCH_METHOD.md). "
+                                   "Writes a results JSON for `spectune report`.")
+    p.add_argument("--policy", required=True, help="policy table YAML from `spectune tune`")
+    p.add_argument("--concurrency", default=None,
+                   help="live requests, e.g. 1,8,32 (default 1,8,32,64,128,256 on CUDA, 1,4 on CPU)")
+    p.add_argument("--arms", default="plain,fixed:3,fixed:7,auto",
+                   help="plain, fixed:K (K drafts always, all verified), auto (the policy table)")
+    p.add_argument("--prompts", type=int, default=None, help="requests per concurrency (default 2 x concurrency)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
+    p.add_argument("--acceptance", default=None,
+                   help="acceptance source replayed (forms of `spectune tune --acceptance`; default: "
+                        "the one the policy was tuned on)")
+    p.add_argument("--target", default=None, help="preset or checkpoint folder (default: the policy's target "
+                                                  "on CUDA, tiny on CPU)")
+    p.add_argument("--drafter", default=None, help="drafter whose cost is paid (default: the policy's)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: the policy's on CUDA, float32 on CPU")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds per timed (concurrency, arm) run; unfinished requests count as failed "
+                        "(default 90 on CUDA, none on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", required=True, help="results JSON path")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    raise UsageError("bench: not implemented yet")
+    import os
+
+    import torch
+
+    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
+    from spectune.autotune.bench import BenchConfig, run_bench
+
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise UsageError("--time-limit must be > 0")
+    config = BenchConfig(
+        policy=args.policy, out=args.out, concurrency=args.concurrency, arms=args.arms, prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, acceptance=args.acceptance,
+        target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed,
+        time_limit_s=args.time_limit, progress=not args.no_progress,
+    )
+    try:
+        results = run_bench(config)
+    except OSError as exc:
+        raise UsageError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
+    head = results["header"]
+    print(f"{head['gpu']}: {head['target']} + {head['drafter']}, prompt {head['prompt_len']}, "
+          f"{head['max_new_tokens']} new tokens, acceptance {head['acceptance']}")
+    print(f"{'conc':>5} {'arm':>9} {'tok/s':>9} {'pred':>9} {'ITL p50':>8} {'p99':>8} {'accept':>7} "
+          f"{'J/tok':>7} {'done':>5} {'fail':>5} {'mism':>5}")
+
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    for r in results["rows"]:
+        print(f"{r['concurrency']:>5} {r['arm']:>9} {r['output_tok_s']:>9.1f} {num(r['predicted_tok_s'], '9.1f'):>9} "
+              f"{num(r['itl_p50_ms'], '8.2f'):>8} {num(r['itl_p99_ms'], '8.2f'):>8} "
+              f"{num(r['mean_accept_len'], '7.2f'):>7} {num(r['joules_per_token'], '7.3f'):>7} "
+              f"{r['completed']:>5} {r['failed']:>5} {r['mismatches']:>5}")
+    bad = sum(r["mismatches"] for r in results["rows"])
+    if bad:
+        print(f"warning: {bad} requests differ from plain greedy decoding (see docs/BENCH_METHOD.md)",
+              file=sys.stderr)
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,437 @@
+"""``spectune bench``: serving A/B of plain decoding, fixed K and the policy on production shapes.
+
+One target (random weights, real shapes) and one engine serve every (concurrency, arm): target
+graphs are captured once per tier, drafter graphs once per (rows, K). Per concurrency the plain arm
+runs first; its greedy outputs are each request's reference continuation, which the replay
+drafter (``spectune.runtime.replay_drafter``) corrupts per a sampled acceptance row, while the real
+drafter runs for its cost. Method and defaults: docs/BENCH_METHOD.md.
+
+Per (concurrency, arm): a warm-up run (the first ``concurrency`` requests, a few tokens each, not
+timed), then the timed run under the NVML sampler. The results JSON (``header`` + ``rows``) is
+what ``spectune report`` reads (``report_inputs.BenchRow``), written atomically.
+
+On CPU the same path runs eagerly with the kernels' torch references (the tiny preset by default).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spectune import __version__
+from spectune.autotune.acceptance import AcceptanceModel, Component, extend_conditional
+from spectune.autotune.facts import hardware_facts, software_facts
+from spectune.autotune.simulator import simulate
+from spectune.autotune.tuner import resolve_acceptance
+from spectune.kernels.attention import MAX_BLOCK_M, verify_attention_ref
+from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
+from spectune.kernels.meta import AttnMeta
+from spectune.runtime.engine import KV_SLACK, Engine, Policy, Request, RunResult
+from spectune.runtime.planner import Plan, Planner, load, smallest_tier
+from spectune.runtime.replay_drafter import ReplayDrafter
+from spectune.runtime.schema import SpectuneError, atomic_write_text
+
+DEFAULT_ARMS = ("plain", "fixed:3", "fixed:7", "auto")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    concurrency: tuple[int, ...]
+    max_new_tokens: int
+    prompt_len: int
+    time_limit_s: float | None  # per timed run
+
+
+GPU_DEFAULTS = Defaults((1, 8, 32, 64, 128, 256), max_new_tokens=128, prompt_len=256, time_limit_s=90.0)
+CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=None)
+WARMUP_TOKENS = 8  # output tokens per warm-up request
+BLOCK_SIZE = 16
+ITL_SAMPLE = 200  # per-token latencies kept per row (evenly spaced quantiles)
+METHOD = ("replay drafter: random-weight target runs the real compute; drafts are each request's "
+          "plain greedy continuation, kept per position with a sampled conditional acceptance "
+          "(else a different token); the real drafter runs for its cost (docs/BENCH_METHOD.md)")
+
+
+class BenchError(SpectuneError):
+    """Bad bench settings; the message names the option."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    policy: str
+    out: str
+    concurrency: str | Sequence[int] | None = None
+    arms: str | Sequence[str] = DEFAULT_ARMS
+    prompts: int | None = None  # requests per concurrency; None: 2 x concurrency
+    max_new_tokens: int | None = None
+    prompt_len: int | None = None
+    acceptance: str | None = None  # default: what the policy was tuned on
+    target: str | None = None  # default: the policy's target on CUDA, tiny on CPU
+    drafter: str | None = None  # default: the policy's drafter
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    time_limit_s: float | None = None  # per timed run; default 90 s on CUDA
+    progress: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# arms
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """K drafts for every request, all verified (K = 0: plain decoding, the drafter never runs).
+    A batch whose b * (K + 1) tokens exceed the largest tier verifies what that tier holds."""
+
+    k: int
+    tiers: tuple[int, ...]
+
+    def plan(self, batch_size: int) -> Plan:
+        budget = batch_size * self.k
+        tier = smallest_tier(self.tiers, batch_size + budget)
+        if tier is None:
+            budget = max(0, self.tiers[-1] - batch_size)
+            tier = smallest_tier(self.tiers, batch_size + budget)
+        return Plan(self.k if budget > 0 else 0, budget, tier)
+
+
+def parse_arm(arm: str) -> int | None:
+    """``plain`` -> 0, ``fixed:K`` -> K, ``auto`` -> None (the policy table decides)."""
+    text = arm.strip().lower()
+    if text == "plain":
+        return 0
+    if text == "auto":
+        return None
+    head, _, tail = text.partition(":")
+    if head == "fixed" and tail.isdigit() and 0 <= int(tail) <= 64:
+        return int(tail)
+    raise BenchError(f"arm {arm!r}: not plain, fixed:K (K in 0..64) or auto")
+
+
+def arm_policy(arm: str, tiers: Sequence[int], planner: Policy | None = None) -> Policy:
+    k = parse_arm(arm)
+    if k is not None:
+        return FixedPolicy(k, tuple(sorted(tiers)))
+    if planner is None:
+        raise BenchError("arm auto: needs a policy table (planner)")
+    return planner
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+def _ints(text: str | Sequence[int], option: str) -> tuple[int, ...]:
+    try:
+        values = [int(v) for v in (text.split(",") if isinstance(text, str) else text)]
+    except ValueError:
+        raise BenchError(f"{option}: cannot read {text!r} (e.g. 1,8,32)") from None
+    if not values or min(values) < 1:
+        raise BenchError(f"{option}: must be integers >= 1, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
+    arms = [a.strip().lower() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
+    if not arms:
+        raise BenchError("--arms: no arm given (plain, fixed:K, auto)")
+    for a in arms:
+        try:
+            parse_arm(a)
+        except BenchError as exc:
+            raise BenchError(f"--arms: {exc}") from None
+    return tuple(dict.fromkeys(arms))
+
+
+def _device(text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise BenchError(f"--device: unknown device {text!r} (cuda, cuda:N or cpu)") from None
+    if dev.type not in ("cuda", "cpu") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise BenchError(f"--device: {text!r} is not available here (cuda, cuda:N or cpu)")
+    return dev
+
+
+def bench_tiers(policy_tiers: Sequence[int], concurrency: Sequence[int], ks: Sequence[int]) -> list[int]:
+    """Captured tiers: the policy's, each fixed arm's full-batch step exactly (c * (K + 1)) and
+    powers of two up to the largest for the batches of a run's tail."""
+    exact = {c * (k + 1) for c in concurrency for k in ks}
+    top = max(exact | set(policy_tiers))
+    return sorted(exact | set(policy_tiers) | {1 << i for i in range(top.bit_length()) if 1 << i <= top})
+
+
+def widen(model: AcceptanceModel, max_k: int) -> AcceptanceModel:
+    if model.max_k >= max_k:
+        return model
+    comps = tuple(Component(c.weight, extend_conditional(c.accept, max_k)) for c in model.components)
+    return AcceptanceModel(model.source, comps, max_k, model.calibration)
+
+
+# ---------------------------------------------------------------------------------------------
+# models and engine
+
+
+class TorchPagedAttention:
+    """Paged KV backend on the kernels' torch references (cache write, verification attention):
+    the CPU stand-in for ``spectune.models.paged.PagedTritonAttention``."""
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.cache = allocate_kv_cache(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device)
+        self.block_size = block_size
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttnMeta) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D]
+        assert meta.block_tables is not None
+        slots = meta.slot_mapping
+        if slots is None:
+            slots = slot_mapping_for(meta.block_tables, meta.context_lens, meta.cu_seqlens_q, q.shape[0],
+                                     self.block_size)
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        write_kv_ref(k, v, k_cache, v_cache, slots)
+        return verify_attention_ref(q, k_cache, v_cache, meta).to(q.dtype)
+
+
+@dataclass
+class Setup:
+    engine: Engine
+    replay: ReplayDrafter
+    planner: Planner
+    acceptance: AcceptanceModel
+    requests: list[Request]
+    accept: torch.Tensor  # [requests, max_k] conditional rates per request
+    coins: torch.Tensor  # [requests, max_new_tokens] uniforms per output index
+    target: str
+    drafter: str
+    dtype: str
+
+
+def build(config: BenchConfig, planner: Planner, device: torch.device, concurrency: Sequence[int],
+          arms: Sequence[str], n_requests: int, prompt_len: int, max_new: int) -> Setup:
+    from spectune.models.config import parse_drafter, resolve_target
+    from spectune.models.paged import PagedTritonAttention
+    from spectune.models.shapes import build_models, fit_cache
+
+    table, cuda = planner.table, device.type == "cuda"
+    args = resolve_target(config.target or (table.workload.target if cuda else "tiny"))
+    spec = parse_drafter(config.drafter or table.workload.drafter)
+    dtype = config.dtype or (table.workload.dtype if cuda else "float32")
+    fixed = [k for a in arms if (k := parse_arm(a)) is not None]
+    max_k = max(fixed + ([planner.k_hi] if "auto" in arms else []) + [0])
+    max_batch = max(concurrency)
+    max_len = prompt_len + max_new + max_k + KV_SLACK
+    per_request = -(-max_len // BLOCK_SIZE)
+    num_blocks = 1 + max_batch * per_request
+    models = build_models(args, spec, device=device, dtype=getattr(torch, dtype), max_batch=max_batch,
+                          max_q=max_k + 1, context_len=max_len, seed=config.seed)
+    backend = PagedTritonAttention if cuda else TorchPagedAttention
+    models.target.backend = backend(args.n_layers, num_blocks, BLOCK_SIZE, args.n_kv_heads, args.head_dim,
+                                    getattr(torch, dtype), device)
+    parallel = spec.kind == "parallel"
+    fit_cache(models.drafter, spec.n_layers, batch=max_batch, ctx_max=max_len + max_k,
+              max_q=max(max_k, 1) if parallel else 1, causal=not parallel)
+    gen = torch.Generator(device=device).manual_seed(config.seed)
+    hidden = torch.randn(max_batch, args.dim, generator=gen, device=device).to(getattr(torch, dtype))
+    replay = ReplayDrafter(max_requests=n_requests, max_len=max_new, max_k=max(max_k, 1),
+                           vocab_size=args.vocab_size, device=device, cost_drafter=models.drafter,
+                           hidden=hidden)
+    engine = Engine(models.target, tiers=bench_tiers(planner.tiers, concurrency, fixed + [0]),
+                    max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
+                    device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
+                    prefill_chunk=max(1, MAX_BLOCK_M // args.group))
+    engine.warm_prefill([prompt_len], min(32, max_batch))
+    acceptance = widen(resolve_acceptance(config.acceptance or _table_acceptance(table), max(max_k, 1)),
+                       max(max_k, 1))
+    rng = np.random.default_rng(config.seed)
+    prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
+    requests = [Request(tuple(int(t) for t in p), max_new) for p in prompts]
+    accept = torch.tensor(acceptance.sample(rng, n_requests), dtype=torch.float32)
+    coins = torch.tensor(rng.random((n_requests, max_new)), dtype=torch.float32)
+    return Setup(engine, replay, planner, acceptance, requests, accept, coins, args.name, spec.name, dtype)
+
+
+def _table_acceptance(table: Any) -> AcceptanceModel | None:
+    return AcceptanceModel.from_dict(table.acceptance) if table.acceptance else None
+
+
+# ---------------------------------------------------------------------------------------------
+# one (concurrency, arm)
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    v, w = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
+    order = np.argsort(v)
+    cw = np.cumsum(w[order])
+    return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
+
+
+def mismatches(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> tuple[int, int | None]:
+    """Requests whose output differs from the plain greedy reference, and the first differing
+    output index over them (None when all agree)."""
+    count, first = 0, None
+    for out, ref in zip(outputs, reference, strict=True):
+        n = min(len(out), len(ref))
+        at = next((i for i in range(n) if out[i] != ref[i]), None)
+        if at is not None:
+            count += 1
+            first = at if first is None else min(first, at)
+    return count, first
+
+
+def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, reference: Sequence[Sequence[int]],
+            predicted: float | None) -> dict[str, Any]:
+    lat, wts = res.itl_ms, res.itl_tokens
+    per_token = np.repeat(np.asarray(lat, dtype=float), np.asarray(wts, dtype=int)) if lat else np.zeros(0)
+    sample = (np.quantile(per_token, np.linspace(0, 1, min(ITL_SAMPLE, len(per_token)))).round(4).tolist()
+              if len(per_token) else None)
+    ttft = [t for t in res.ttft_ms if t is not None]
+    energy = getattr(reading, "energy_j", None) if reading is not None else None
+    bad, first = mismatches(res.outputs, reference)
+    done = sum(res.done)
+    spec = any(k > 0 for k in res.k_hist)
+    return {
+        "concurrency": concurrency,
+        "arm": arm,
+        "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
+        "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
+        "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
+        "ttft_ms": float(np.median(ttft)) if ttft else None,
+        "mean_accept_len": res.mean_accept_len if spec else None,
+        "k_hist": {str(k): n for k, n in res.k_hist.items()},
+        "power_w": getattr(reading, "mean_power_w", None),
+        "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
+        "sm_clock_mhz": getattr(reading, "sm_clock_mhz", None),
+        "throttle_reasons": getattr(reading, "throttle_names", None) if reading is not None else None,
+        "completed": done,
+        "failed": len(res.done) - done,
+        "mismatches": bad,
+        "first_mismatch_index": first,
+        "predicted_tok_s": predicted,
+        "itl_ms": sample,
+        "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
+        "steps": res.steps,
+        "tokens": res.tokens,
+        "seconds": res.seconds,
+        "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
+        "idle_rows": res.idle_rows,
+        "host_waits": res.waits,
+        "drafter_calls": res.drafter_calls,
+        "graph_captures_in_run": res.captures,
+        "timed_out": res.timed_out,
+    }
+
+
+def predict(setup: Setup, arm: str, concurrency: int, n_requests: int, context_len: int,
+            seed: int) -> float | None:
+    """The simulator's goodput for this arm from the policy's cost model and the bench's acceptance."""
+    k = parse_arm(arm)
+    policy: Any = FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
+    try:
+        sim = simulate(setup.planner.cost, setup.acceptance, policy, concurrency=concurrency,
+                       context_len=context_len, steps=100_000, requests=n_requests, seed=seed,
+                       mean_output_tokens=setup.requests[0].max_new_tokens)
+    except SpectuneError:
+        return None
+    return sim.goodput_tok_s if math.isfinite(sim.goodput_tok_s) else None
+
+
+def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], power: Any,
+            time_limit_s: float | None) -> tuple[RunResult, Any]:
+    engine, planner = setup.engine, setup.planner
+    policy: Policy = arm_policy(arm, engine.tiers, planner)
+    k = parse_arm(arm)
+    planner.reset_online()
+    ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
+    engine.prepare(ks, concurrency)
+    warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
+    engine.run(warm, policy, concurrency=concurrency)
+    planner.reset_online()
+    if power is None:
+        return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s), None
+    with power.measure() as region:
+        res = engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s)
+    return res, region.reading
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every (concurrency, arm), write the results JSON atomically and return it."""
+    device = _device(config.device)
+    d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    concurrency = _ints(config.concurrency if config.concurrency is not None else d.concurrency,
+                        "--concurrency")
+    arms = parse_arms(config.arms)
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else d.max_new_tokens
+    prompt_len = config.prompt_len if config.prompt_len is not None else d.prompt_len
+    limit = config.time_limit_s if config.time_limit_s is not None else d.time_limit_s
+    for option, value in (("--max-new-tokens", max_new), ("--prompt-len", prompt_len),
+                          ("--prompts", config.prompts if config.prompts is not None else 1)):
+        if value < 1:
+            raise BenchError(f"{option}: must be >= 1, got {value}")
+    if config.dtype not in (None, "bfloat16", "float16", "float32"):
+        raise BenchError(f"--dtype: must be bfloat16, float16 or float32, got {config.dtype!r}")
+    counts = {c: config.prompts if config.prompts is not None else 2 * c for c in concurrency}
+    planner = load(config.policy, on_gpu_mismatch="warn")
+    setup = build(config, planner, device, concurrency, arms, max(counts.values()), prompt_len, max_new)
+    hw = hardware_facts(device)
+    power = None
+    if device.type == "cuda":
+        from spectune.autotune.nvml import NvmlSampler
+
+        power = NvmlSampler(device.index if device.index is not None else torch.cuda.current_device())
+    ordered = ["plain"] + [a for a in arms if a != "plain"]
+    from tqdm.auto import tqdm
+
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=len(concurrency) * len(ordered), disable=not config.progress, desc="bench",
+              unit="run", leave=False) as bar:
+        for c in concurrency:
+            requests = setup.requests[: counts[c]]
+            reference: list[list[int]] = []
+            for arm in ordered:
+                bar.set_postfix_str(f"c={c} {arm}")
+                res, reading = measure(setup, arm, c, requests, power, limit)
+                if arm == "plain":
+                    reference = res.outputs
+                    setup.replay.load(reference, setup.accept, setup.coins)
+                if arm in arms:
+                    pred = predict(setup, arm, c, len(requests), prompt_len + max_new // 2, config.seed)
+                    rows.append(row_for(arm, c, res, reading, reference, pred))
+                    if on_row is not None:
+                        on_row(rows[-1])
+                bar.update(1)
+    if power is not None:
+        power.close()
+    sw = software_facts()
+    header = {
+        "gpu": hw.gpu, "driver": hw.driver, "policy": str(config.policy),
+        "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+        "target": setup.target, "drafter": setup.drafter, "spectune": __version__, "torch": sw.torch,
+        "triton": sw.triton, "method": METHOD, "acceptance": setup.acceptance.source,
+        "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
+        "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
+    }
+    results = {"header": header, "rows": rows}
+    atomic_write_text(Path(config.out), json.dumps(results, indent=1) + "\n")
+    return results
+
+
+__all__ = ["BenchConfig", "BenchError", "FixedPolicy", "TorchPagedAttention", "arm_policy", "bench_tiers",
+           "parse_arm", "row_for", "run_bench"]

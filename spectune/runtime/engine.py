@@ -1,0 +1,486 @@
+"""A minimal continuous-batching engine: where a server calls ``plan``, ``step`` and ``observe``.
+
+One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; greedy only):
+  collect   host copies of earlier steps' emitted tokens that have landed -> request outputs
+  retire    requests the host knows are complete leave the batch (rows compacted on the device);
+            their KV blocks go back to the free list
+  admit     waiting requests take rows up to the concurrency: chunked prefill over the paged KV
+            cache (eager); the argmax at the last prompt token is the first output token
+  observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
+  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup)
+  draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K))
+  step      ``verifier.step(...)``: allocate, pack, target graph replay, greedy accept, stats
+  advance   on the device: KV length and output count += emitted, last token = last emitted;
+            one non-blocking copy of the emitted tokens into pinned host memory
+
+Completion is by ``max_new_tokens`` (random-weight greedy decoding has no end-of-sequence token).
+The device caps each request's drafts at ``remaining - 1`` so no request emits more than it asked
+for, and every step emits >= 1 token per request; so the host knows a request is complete when
+``tokens it has seen + steps in flight >= max_new_tokens``, without reading the device. That is
+exact for plain decoding. A speculative request that finished with a long acceptance is learnt
+when its copy lands: it rides along in one more step as a single row without drafts
+(``RunResult.idle_rows``), its output ignored.
+
+Host waits per iteration, all of them: before planning step s, the copy of step s - 2 must have
+landed (``event.synchronize()``; it waits only when the host is more than one step ahead of the
+GPU, counted in ``RunResult.waits``). Admission copies prompts and block tables from pinned memory
+without waiting. On CUDA, a (rows, K) drafter graph not captured by ``prepare`` is captured when
+first needed (``RunResult.captures``), which synchronises once.
+
+A policy is the planner or any object with ``plan(batch)`` (``observe`` optional); the bench's
+arms (plain, fixed:K, auto) are such policies. Imports only torch and spectune.runtime /
+spectune.kernels; the target and the proposer (``replay_drafter.Proposer``) are duck-typed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from spectune.kernels.meta import AttnMeta
+from spectune.runtime.planner import Plan
+from spectune.runtime.replay_drafter import DraftGraphs, DraftInput, Proposer
+from spectune.runtime.schema import SpectuneError
+from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepOutput
+
+TRASH_BLOCK = 0  # KV block no request owns: unused block-table entries (and overruns) point here
+KV_SLACK = 8  # KV positions per request past prompt + max_new_tokens + max_k (ride-along rows)
+
+# target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
+TargetFn = Callable[[Tensor, Tensor, AttnMeta], Tensor]
+
+
+class EngineError(SpectuneError):
+    """An engine was given an impossible request, plan or size; names the field."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"{name}: {reason}")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]  # [prompt_len] token ids
+    max_new_tokens: int
+
+
+class Policy(Protocol):
+    """``spectune.runtime.planner.Planner`` or any object with ``plan``; ``observe`` optional."""
+
+    def plan(self, batch_size: int) -> Plan: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Device state of the live rows
+
+
+@dataclass(frozen=True)
+class EngineState:
+    last_token: Tensor  # [max_batch] int64
+    context_lens: Tensor  # [max_batch] int32
+    produced: Tensor  # [max_batch] int32
+    max_new: Tensor  # [max_batch] int32
+    request: Tensor  # [max_batch] int64
+    k_valid: Tensor  # [max_batch] int32, drafts a request may still use (<= remaining - 1)
+    block_tables: Tensor  # [max_batch, max_blocks] int32, TRASH_BLOCK where unused
+
+    @classmethod
+    def make(cls, max_batch: int, max_blocks: int, device: torch.device) -> EngineState:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(zeros(max_batch, dtype=torch.int64), zeros(max_batch), zeros(max_batch),
+                   zeros(max_batch), zeros(max_batch, dtype=torch.int64), zeros(max_batch),
+                   torch.full((max_batch, max_blocks), TRASH_BLOCK, dtype=torch.int32, device=device))
+
+    def draft_input(self, rows: int) -> DraftInput:
+        return DraftInput(self.last_token[:rows], self.context_lens[:rows], self.produced[:rows],
+                          self.request[:rows])
+
+    def reorder(self, keep: Tensor) -> None:
+        """Rows ``keep`` [m] int64 (device) become rows 0..m-1, in that order."""
+        m = keep.shape[0]
+        for t in (self.last_token, self.context_lens, self.produced, self.max_new, self.request,
+                  self.block_tables):
+            t[:m].copy_(t.index_select(0, keep))
+
+
+def _to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the stream
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def _to_host(t: Tensor) -> Tensor:
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run bookkeeping (host)
+
+
+@dataclass
+class _Copy:
+    """Emitted tokens of one prefill or step on their way to the host."""
+
+    tokens: Tensor  # [n, width] int64 (host; pinned on CUDA)
+    counts: Tensor | None  # [n] int32 (host); None: one token per row (prefill)
+    rids: list[int]  # request of each row when the step ran
+    iteration: int
+    event: Any  # torch.cuda.Event, None on CPU
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class _Marks:
+    """Time stamps on the device timeline (CUDA events) or the host clock (CPU, eager)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.items: list[Any] = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.items.append(ev)
+        else:
+            self.items.append(time.perf_counter())
+        return len(self.items) - 1
+
+    def ms(self, a: int, b: int) -> float:  # after the device is synchronised
+        if self.cuda:
+            return float(self.items[a].elapsed_time(self.items[b]))
+        return (self.items[b] - self.items[a]) * 1e3
+
+
+@dataclass(frozen=True)
+class RunResult:
+    outputs: list[list[int]]  # [requests] output token ids (<= max_new_tokens each)
+    done: list[bool]  # request emitted all its max_new_tokens
+    ttft_ms: list[float | None]  # admission -> first token (end of its prefill)
+    itl_ms: list[float]  # per (row, step) with output: iteration time / tokens the row emitted
+    itl_tokens: list[int]  # tokens each itl_ms entry stands for
+    k_hist: dict[int, int]  # steps per K
+    tier_hist: dict[int, int]  # steps per tier
+    steps: int
+    seconds: float  # wall time of the run (device synchronised at both ends)
+    tokens: int  # output tokens over all requests
+    idle_rows: int  # rows of requests already complete, learnt one step late
+    waits: int  # times the host had to wait for a step's copy
+    drafter_calls: int
+    observed: int  # policy.observe calls
+    captures: int  # drafter graphs captured during the run (0 when prepare covered it)
+    timed_out: bool
+
+    @property
+    def mean_accept_len(self) -> float | None:
+        """Output tokens per request per decode step (bonus included)."""
+        return sum(self.itl_tokens) / len(self.itl_tokens) if self.itl_tokens else None
+
+
+@dataclass
+class _Run:
+    requests: Sequence[Request]
+    outputs: list[list[int]] = field(default_factory=list)
+    inflight: list[int] = field(default_factory=list)  # prefills/steps launched, copy not read
+    ttft_marks: dict[int, tuple[int, int]] = field(default_factory=dict)  # rid -> (admit, first)
+    itl: list[tuple[int, int]] = field(default_factory=list)  # (iteration, tokens)
+    idle_rows: int = 0
+    waits: int = 0
+
+    def __post_init__(self) -> None:
+        self.outputs = [[] for _ in self.requests]
+        self.inflight = [0] * len(self.requests)
+
+    def surely_done(self, rid: int) -> bool:
+        return len(self.outputs[rid]) + self.inflight[rid] >= self.requests[rid].max_new_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+
+
+class Engine:
+    """One target (with a paged KV backend), its graph pool and verifier, and an optional proposer."""
+
+    def __init__(self, target: TargetFn, *, tiers: Sequence[int], max_batch: int, max_k: int,
+                 max_len: int, num_blocks: int, device: torch.device | str, block_size: int = 16,
+                 proposer: Proposer | None = None, prior: Sequence[float] | None = None,
+                 capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = 64,
+                 prefill_tokens: int = 4096):
+        self.device = torch.device(device)
+        self.max_blocks = -(-max_len // block_size)
+        for name, value, lo in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
+                                ("prefill_chunk", prefill_chunk, 1), ("prefill_tokens", prefill_tokens, 1),
+                                ("num_blocks", num_blocks, 1 + self.max_blocks)):
+            if value < lo:
+                raise EngineError(name, f"must be >= {lo}, got {value}")
+        self.target, self.block_size, self.max_len = target, block_size, max_len
+        self.max_batch, self.max_k, self.num_blocks = max_batch, max_k, num_blocks
+        self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
+        self.pool = GraphPool(target, tiers, max_batch=max_batch, max_k=max_k, device=self.device,
+                              block_size=block_size, max_blocks=self.max_blocks, capture=capture,
+                              kernels=kernels)
+        self.verifier = AdaptiveVerifier(self.pool, prior=prior)
+        self.state = EngineState.make(max_batch, self.max_blocks, self.device)
+        self.drafts = DraftGraphs(proposer, self.state.draft_input, max_batch, self.pool.capture)
+        self.cuda = self.device.type == "cuda"
+        self._reset()
+
+    @property
+    def tiers(self) -> tuple[int, ...]:
+        return tuple(self.pool.tiers)
+
+    def _reset(self) -> None:
+        self.rows: list[int] = []  # request of each live row
+        self.free_blocks = deque(b for b in range(self.num_blocks) if b != TRASH_BLOCK)
+        self.blocks: dict[int, list[int]] = {}  # request -> its KV blocks
+        self.pending: deque[_Copy] = deque()
+
+    def blocks_for(self, request: Request) -> int:
+        return -(-(len(request.prompt) + request.max_new_tokens + self.max_k + KV_SLACK) // self.block_size)
+
+    def prepare(self, ks: Sequence[int], concurrency: int) -> None:
+        """Capture the drafter graphs a run at ``concurrency`` with these K values will replay."""
+        for k in sorted(set(ks)):
+            self.drafts.prepare(k, min(concurrency, self.max_batch))
+
+    def warm_prefill(self, prompt_lens: Sequence[int], max_group: int) -> None:
+        """Prefill 1..max_group dummy prompts into the trash block: kernels specialised on the
+        prefill's shapes (group size, chunk length) compile here, not inside a timed run."""
+        chunk = self.prefill_chunk
+        lens = {n for p in prompt_lens for n in (min(p, chunk), p % chunk) if n > 0}
+        for g in range(1, min(max_group, self.max_batch) + 1):
+            for n in sorted(lens):
+                self.state.block_tables[:g].fill_(TRASH_BLOCK)
+                self._prefill([Request((1,) * n, 1)] * g, 0)
+        self._synchronize()
+
+    def check(self, requests: Sequence[Request], concurrency: int) -> None:
+        if not 1 <= concurrency <= min(self.max_batch, self.tiers[-1]):
+            raise EngineError("concurrency", f"{concurrency} is outside 1..{min(self.max_batch, self.tiers[-1])}")
+        for i, r in enumerate(requests):
+            if not r.prompt or r.max_new_tokens < 1:
+                raise EngineError(f"requests[{i}]", "needs a prompt and max_new_tokens >= 1")
+            if self.blocks_for(r) > self.max_blocks:
+                raise EngineError(f"requests[{i}]", f"{len(r.prompt)} + {r.max_new_tokens} tokens "
+                                  f"exceed max_len {self.max_len - self.max_k - KV_SLACK}")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[Request], policy: Policy, *, concurrency: int,
+            time_limit_s: float | None = None) -> RunResult:
+        self.check(requests, concurrency)
+        self._synchronize()
+        self.verifier.poll_stats()  # drop counts of earlier runs
+        self._reset()
+        observe = getattr(policy, "observe", None)
+        run, marks = _Run(requests), _Marks(self.cuda)
+        queue = deque(range(len(requests)))
+        k_hist: dict[int, int] = {}
+        tier_hist: dict[int, int] = {}
+        calls0, captures0, observed, it, timed_out = self.drafts.calls, self.drafts.captures, 0, 0, False
+        iter_marks: list[int] = []
+        t0 = time.perf_counter()
+        while queue or self.rows:
+            self._collect(run, must_before=it - 1)
+            self._retire(run)
+            if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+                timed_out = True
+                break
+            iter_marks.append(marks.mark())
+            self._admit(run, queue, concurrency, it, marks, iter_marks[-1])
+            self._retire(run)  # max_new_tokens == 1: done at its prefill
+            n = len(self.rows)
+            if n == 0:  # every admitted request was done at its prefill
+                it += 1
+                continue
+            if observe is not None:
+                stats = self.verifier.poll_stats()
+                if stats is not None:
+                    observe(stats.accepted_per_pos, stats.offered_per_pos)
+                    observed += 1
+            plan = self._checked(policy.plan(n), n)
+            drafts = conf = k_valid = None
+            if plan.k > 0:
+                drafts, conf = self.drafts(n, plan.k)
+                k_valid = self._k_valid(n, plan.k)
+            out = self.verifier.step(self.state.last_token, drafts, conf, n, plan,
+                                     context_lens=self.state.context_lens,
+                                     block_tables=self.state.block_tables, k_valid=k_valid)
+            self._advance(run, out, n, it)
+            k_hist[plan.k] = k_hist.get(plan.k, 0) + 1
+            tier_hist[out.tier] = tier_hist.get(out.tier, 0) + 1
+            it += 1
+        end = marks.mark()
+        iter_marks.append(end)
+        self._synchronize()
+        seconds = time.perf_counter() - t0
+        self._collect(run, must_before=it + 1)
+        return self._result(run, marks, iter_marks, k_hist, tier_hist, seconds, observed,
+                            self.drafts.calls - calls0, self.drafts.captures - captures0, timed_out)
+
+    def _checked(self, plan: Plan, n: int) -> Plan:
+        if plan.tier is None or plan.tier not in self.pool.tiers:
+            raise EngineError("plan.tier", f"{plan.tier} for batch {n} is not a captured tier {self.tiers}")
+        if plan.k > self.max_k:
+            raise EngineError("plan.k", f"{plan.k} exceeds the engine's max_k {self.max_k}")
+        return plan
+
+    def _k_valid(self, n: int, k: int) -> Tensor:
+        s = self.state
+        kv = s.k_valid[:n]
+        torch.sub(s.max_new[:n], s.produced[:n], out=kv)  # remaining tokens
+        return kv.sub_(1).clamp_(0, k)
+
+    def _advance(self, run: _Run, out: StepOutput, n: int, it: int) -> None:
+        s = self.state
+        num = out.num_out  # [n] int32, accepted + 1
+        s.produced[:n] += num
+        s.context_lens[:n] += num  # the last real token and the accepted drafts are now cached
+        last = out.out_tokens.gather(1, (num.long() - 1).clamp_(min=0)[:, None])  # [n, 1]
+        s.last_token[:n].copy_(last[:, 0])
+        tokens, counts = _to_host(out.out_tokens[:, : out.k + 1]), _to_host(num)
+        self._send(run, _Copy(tokens, counts, list(self.rows), it, None))
+
+    def _send(self, run: _Run, copy: _Copy) -> None:
+        if self.cuda:
+            copy.event = torch.cuda.Event()
+            copy.event.record()
+        for rid in copy.rids:
+            run.inflight[rid] += 1
+        self.pending.append(copy)
+
+    def _collect(self, run: _Run, must_before: int) -> None:
+        """Read every landed copy in order; wait for those of iterations < ``must_before``."""
+        while self.pending:
+            copy = self.pending[0]
+            if not copy.landed():
+                if copy.iteration >= must_before:
+                    return
+                run.waits += 1
+                copy.event.synchronize()
+            self.pending.popleft()
+            tokens = copy.tokens.tolist()
+            counts = copy.counts.tolist() if copy.counts is not None else [1] * len(copy.rids)
+            for row, rid in enumerate(copy.rids):
+                run.inflight[rid] -= 1
+                out = run.outputs[rid]
+                take = min(counts[row], run.requests[rid].max_new_tokens - len(out))
+                out.extend(tokens[row][: max(take, 0)])
+                if copy.counts is None:
+                    continue
+                if take > 0:
+                    run.itl.append((copy.iteration, take))
+                else:
+                    run.idle_rows += 1
+
+    def _retire(self, run: _Run) -> None:
+        keep = [i for i, rid in enumerate(self.rows) if not run.surely_done(rid)]
+        if len(keep) == len(self.rows):
+            return
+        for rid in self.rows:
+            if run.surely_done(rid):
+                self.free_blocks.extend(self.blocks.pop(rid))
+        if keep and keep != list(range(len(keep))):
+            self.state.reorder(_to_device(keep, torch.int64, self.device))
+        self.rows = [self.rows[i] for i in keep]
+
+    # -- admission and prefill --------------------------------------------------------------------
+
+    def _admit(self, run: _Run, queue: deque[int], concurrency: int, it: int, marks: _Marks,
+               admit_mark: int) -> None:
+        new: list[int] = []
+        while queue and len(self.rows) + len(new) < concurrency:
+            need = self.blocks_for(run.requests[queue[0]])
+            if need > len(self.free_blocks):
+                break
+            rid = queue.popleft()
+            self.blocks[rid] = [self.free_blocks.popleft() for _ in range(need)]
+            new.append(rid)
+        if not new:
+            return
+        s, lo, hi = self.state, len(self.rows), len(self.rows) + len(new)
+        reqs = [run.requests[rid] for rid in new]
+        tables = [self.blocks[rid] + [TRASH_BLOCK] * (self.max_blocks - len(self.blocks[rid])) for rid in new]
+        s.block_tables[lo:hi].copy_(_to_device(tables, torch.int32, self.device))
+        s.context_lens[lo:hi].copy_(_to_device([len(r.prompt) for r in reqs], torch.int32, self.device))
+        s.max_new[lo:hi].copy_(_to_device([r.max_new_tokens for r in reqs], torch.int32, self.device))
+        s.request[lo:hi].copy_(_to_device(new, torch.int64, self.device))
+        s.produced[lo:hi].fill_(1)
+        first = self._prefill(reqs, lo)  # [m] int64
+        s.last_token[lo:hi].copy_(first)
+        first_mark = marks.mark()
+        for rid in new:
+            run.ttft_marks[rid] = (admit_mark, first_mark)
+        self.rows += new
+        self._send(run, _Copy(_to_host(first[:, None]), None, new, it, None))
+
+    def _prefill(self, reqs: list[Request], row0: int) -> Tensor:
+        """Prompts of rows row0.. into the KV cache in chunks of <= prefill_chunk tokens per
+        request (the attention's query tile) and <= prefill_tokens per forward; returns the
+        argmax after each prompt [m] int64."""
+        first = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
+        chunk = self.prefill_chunk
+        per_forward = max(1, self.prefill_tokens // chunk)
+        for g0 in range(0, len(reqs), per_forward):
+            group = range(g0, min(len(reqs), g0 + per_forward))
+            longest = max(len(reqs[i].prompt) for i in group)
+            for c0 in range(0, longest, chunk):
+                live = [i for i in group if len(reqs[i].prompt) > c0]
+                q = [min(chunk, len(reqs[i].prompt) - c0) for i in live]
+                ids = [t for i in live for t in reqs[i].prompt[c0 : c0 + chunk]]
+                pos = [c0 + j for n in q for j in range(n)]
+                cu = [0]
+                for n in q:
+                    cu.append(cu[-1] + n)
+                meta = AttnMeta(
+                    cu_seqlens_q=_to_device(cu, torch.int32, self.device),
+                    context_lens=_to_device([c0] * len(live), torch.int32, self.device),
+                    max_q=max(q),
+                    block_tables=self.state.block_tables.index_select(
+                        0, _to_device([row0 + i for i in live], torch.int64, self.device)),
+                )
+                logits = self.target(_to_device(ids, torch.int64, self.device),
+                                     _to_device(pos, torch.int64, self.device), meta)  # [T, V]
+                ends = [(a, i) for a, i in enumerate(live) if len(reqs[i].prompt) <= c0 + chunk]
+                if ends:
+                    last_rows = _to_device([cu[a + 1] - 1 for a, _ in ends], torch.int64, self.device)
+                    where = _to_device([i for _, i in ends], torch.int64, self.device)
+                    first.index_copy_(0, where, logits.index_select(0, last_rows).argmax(dim=-1))
+        return first
+
+    # -- results --------------------------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _result(self, run: _Run, marks: _Marks, iter_marks: list[int], k_hist: dict[int, int],
+                tier_hist: dict[int, int], seconds: float, observed: int, drafter_calls: int,
+                captures: int, timed_out: bool) -> RunResult:
+        spans = [marks.ms(iter_marks[i], iter_marks[i + 1]) for i in range(len(iter_marks) - 1)]
+        itl_ms = [spans[i] / n for i, n in run.itl]
+        ttft: list[float | None] = [None] * len(run.requests)
+        for rid, (a, b) in run.ttft_marks.items():
+            ttft[rid] = marks.ms(a, b)
+        done = [len(o) >= r.max_new_tokens for o, r in zip(run.outputs, run.requests, strict=True)]
+        return RunResult(
+            outputs=run.outputs, done=done, ttft_ms=ttft, itl_ms=itl_ms,
+            itl_tokens=[n for _, n in run.itl], k_hist=dict(sorted(k_hist.items())),
+            tier_hist=dict(sorted(tier_hist.items())), steps=sum(k_hist.values()), seconds=seconds,
+            tokens=sum(len(o) for o in run.outputs), idle_rows=run.idle_rows, waits=run.waits,
+            drafter_calls=drafter_calls, observed=observed, captures=captures, timed_out=timed_out,
+        )

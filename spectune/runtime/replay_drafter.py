@@ -1,0 +1,177 @@
+"""Drafting side of the engine: the proposer contract, CUDA graphs of proposals, the replay drafter.
+
+A proposer answers ``propose(inp: DraftInput, k) -> (drafts [rows, k], confidences [rows, k] or
+None)`` from the engine's per-row device state. ``DraftGraphs`` runs it on a padded row count and,
+on CUDA, captures each (rows, K) once over the engine's static buffers.
+
+Replay drafter: real verification and drafter cost with a chosen acceptance process. With random
+weights a drafter's guesses are meaningless, so the drafts come from the target itself. Each
+request's reference continuation (its plain greedy output) is loaded beforehand; the draft for
+output index ``p`` (draft position j of a step that starts at ``p - j``) is
+
+    reference[r, p]            if coins[r, p] < accept[r, j]      (kept)
+    (reference[r, p] + 1) % V  otherwise                            (a different token)
+
+so draft position j is right with the conditional probability ``accept[r, j]`` given the ones
+before it, and the target's greedy acceptance does the rest. ``accept[r]`` is one sampled row of
+an acceptance model per request (its class); ``coins`` are uniforms keyed by (request, output
+index), so arms that verify different K see the same hard and easy tokens.
+
+The confidences handed to the verifier's allocation are ``accept[r, :k]``: the request class's
+prior, not a per-token probability.
+
+The drafter's time is real: ``cost_drafter.propose(hidden, last_ids, k, context_lens=...)`` (an
+``EagleDrafter`` or ``BlockDrafter`` of the production shape) runs for every proposal on random
+target features and its output is discarded. Everything here is device work on static buffers, so
+a proposal can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from spectune.runtime.schema import SpectuneError
+
+
+class DraftError(SpectuneError):
+    """A proposer was given impossible sizes or inputs; names the argument."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"{name}: {reason}")
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """What a proposer reads: views of the engine's static row buffers, ``rows`` >= batch (rows
+    past the batch hold stale values; their drafts are ignored)."""
+
+    last_token: Tensor  # [rows] int64, last emitted token (not yet in the KV cache)
+    context_lens: Tensor  # [rows] int32, tokens in the KV cache
+    produced: Tensor  # [rows] int32, output tokens emitted so far (the next one has this index)
+    request: Tensor  # [rows] int64, index of the row's request in the run
+
+
+class Proposer(Protocol):
+    def propose(self, inp: DraftInput, k: int) -> tuple[Tensor, Tensor | None]:
+        """drafts [rows, k] int64 and confidences [rows, k] float32 (None: the verifier's prior)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Proposals in CUDA graphs
+
+
+class DraftGraphs:
+    """Runs the proposer on a padded row count (powers of two, then max_batch); with ``capture``
+    each (rows, K) is a CUDA graph captured once over static row buffers (``inputs(rows)`` must
+    return views of the same storage every time)."""
+
+    def __init__(self, proposer: Proposer | None, inputs: Callable[[int], DraftInput], max_batch: int,
+                 capture: bool):
+        self.proposer, self.inputs, self.capture = proposer, inputs, capture
+        self.ladder = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch}
+                             | {max_batch})
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.outputs: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
+        self.calls = 0
+        self.captures = 0
+        self._pool: Any = None
+
+    def rows_for(self, n: int) -> int:
+        return next(r for r in self.ladder if r >= n)
+
+    def prepare(self, k: int, max_rows: int) -> None:
+        if not self.capture or self.proposer is None or k <= 0:
+            return
+        for rows in self.ladder:
+            if rows > self.rows_for(max_rows):
+                break
+            if (rows, k) not in self.graphs:
+                self._capture(rows, k)
+
+    def __call__(self, n: int, k: int) -> tuple[Tensor, Tensor | None]:
+        if self.proposer is None:
+            raise DraftError("proposer", f"plan asks for K = {k} drafts but there is no proposer")
+        self.calls += 1
+        rows = self.rows_for(n)
+        if not self.capture:
+            return self.proposer.propose(self.inputs(rows), k)
+        if (rows, k) not in self.graphs:
+            self._capture(rows, k)
+        self.graphs[(rows, k)].replay()
+        return self.outputs[(rows, k)]
+
+    def _capture(self, rows: int, k: int) -> None:
+        assert self.proposer is not None
+        inp = self.inputs(rows)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator settled
+            self.proposer.propose(inp, k)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.proposer.propose(inp, k)
+        self.graphs[(rows, k)], self.outputs[(rows, k)] = graph, out
+        self.captures += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay drafter
+
+
+class ReplayDrafter:
+    def __init__(self, *, max_requests: int, max_len: int, max_k: int, vocab_size: int,
+                 device: torch.device | str, cost_drafter: Any = None, hidden: Tensor | None = None):
+        if min(max_requests, max_len, max_k, vocab_size) < 1:
+            raise DraftError("replay", "max_requests, max_len, max_k and vocab_size must be >= 1")
+        if cost_drafter is not None and hidden is None:
+            raise DraftError("hidden", "the cost drafter needs target features [max_batch, dim]")
+        dev = torch.device(device)
+        self.vocab_size, self.max_len, self.max_k = vocab_size, max_len, max_k
+        self.cost_drafter, self.hidden = cost_drafter, hidden  # hidden: [max_batch, dim]
+        self.reference = torch.zeros(max_requests, max_len, dtype=torch.int64, device=dev)  # [R, L]
+        self.accept = torch.zeros(max_requests, max_k, dtype=torch.float32, device=dev)  # [R, max_k]
+        self.coins = torch.ones(max_requests, max_len, dtype=torch.float32, device=dev)  # [R, L]
+        self.offsets = torch.arange(max_k, dtype=torch.int64, device=dev)  # [max_k]
+        self.cost_calls = 0
+
+    def load(self, references: Sequence[Sequence[int]], accept: Tensor, coins: Tensor) -> None:
+        """Write a run's references [R][<= L], conditional rates [R, >= max_k] and coins
+        [R, >= L] into the static buffers (in place: captured graphs keep reading them)."""
+        n = len(references)
+        if n > self.reference.shape[0]:
+            raise DraftError("references", f"{n} requests, the drafter holds {self.reference.shape[0]}")
+        if accept.shape[0] < n or accept.shape[1] < self.max_k:
+            raise DraftError("accept", f"must be [>= {n}, >= {self.max_k}], got {list(accept.shape)}")
+        if coins.shape[0] < n or coins.shape[1] < self.max_len:
+            raise DraftError("coins", f"must be [>= {n}, >= {self.max_len}], got {list(coins.shape)}")
+        rows = torch.zeros(n, self.max_len, dtype=torch.int64)
+        for i, ref in enumerate(references):
+            toks = list(ref)[: self.max_len]
+            rows[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        self.reference[:n].copy_(rows)
+        self.accept[:n].copy_(accept[:n, : self.max_k])
+        self.coins[:n].copy_(coins[:n, : self.max_len])
+
+    def propose(self, inp: DraftInput, k: int) -> tuple[Tensor, Tensor]:
+        rows = inp.last_token.shape[0]
+        if self.cost_drafter is not None:
+            assert self.hidden is not None
+            self.cost_calls += 1
+            self.cost_drafter.propose(self.hidden[:rows], inp.last_token, k, context_lens=inp.context_lens)
+        req = inp.request  # [rows] int64
+        pos = (inp.produced.long()[:, None] + self.offsets[None, :k]).clamp_(0, self.max_len - 1)  # [rows, k]
+        truth = self.reference[req[:, None], pos]  # [rows, k]
+        conf = self.accept[req, :k]  # [rows, k]
+        kept = self.coins[req[:, None], pos] < conf
+        drafts = torch.where(kept, truth, (truth + 1) % self.vocab_size)
+        return drafts, conf
