@@ -5,13 +5,18 @@ granted drafts). Their K/V rows are already in the cache (``write_kv`` runs firs
 has ``seq_len = context_lens[b] + q_len[b]`` cached tokens and new token j (0-based) sees cache
 positions ``< context_lens[b] + j + 1`` (causal among the request's own new tokens).
 
-The kernel runs one program per (request, kv head, split). The G = H / Hkv query heads sharing a
-kv head and all of the request's new tokens form one query tile of ``G * q_len`` rows
-(row r = token r // G, head kvh * G + r % G), so each KV block is read once whatever q_len is:
-the cost stays KV-read bound from 1 to 16 query tokens. When batch x kv heads is too small to fill
-the GPU, the context is cut into ``num_splits`` chunks (flash-decoding); each split writes a
-partial output and its log-sum-exp, and a second kernel combines them. ``num_splits`` is chosen
-from static sizes only, so a step can be captured in a CUDA graph.
+The G = H / Hkv query heads sharing a kv head and all of a request's new tokens form ``G * max_q``
+query rows (row r = token r // G, head kvh * G + r % G), so each KV block is read once whatever
+q_len is: the cost stays KV-read bound from 1 to 16 query tokens. The rows are cut into query
+tiles of BLOCK_M rows (usually one tile); the kernel runs one program per (request, kv head x
+query tile, split). When too few programs would fill the GPU, the context is cut into
+``num_splits`` chunks (flash-decoding); each split writes a partial output and its log-sum-exp,
+and a second kernel combines them. Launch parameters come from static sizes only (a tuned table
+per GPU, ``spectune.kernels.attention_configs``), so a step can be captured in a CUDA graph.
+
+Inside a program the KV range is walked in two loops: whole blocks every row may see (all keys
+below ``context_len + 1`` in causal mode), with no mask at all, then the one or two tail blocks
+where the causal mask and the range end apply.
 
 ``meta`` is duck-typed (``spectune.kernels.meta.AttnMeta``): ``cu_seqlens_q [B+1] int32``,
 ``context_lens [B] int32``, ``max_q`` (static int), ``block_tables [B, max_blocks] int32``.
@@ -20,7 +25,6 @@ Rows >= cu_seqlens_q[-1] are padding and come out as zeros.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,56 +33,25 @@ import torch
 import triton
 import triton.language as tl
 
+from spectune.kernels.attention_configs import (
+    MAX_BLOCK_M,
+    MAX_SPLITS,
+    MIN_BLOCK_M,
+    MIN_SPLIT_TOKENS,
+    AttnConfig,
+    choose_num_splits,
+    default_config,
+    natural_block_m,
+    num_sms,
+)
 from spectune.kernels.kv_cache import KernelInputError, check, check_cache
 
-MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
-MAX_BLOCK_M = 256  # G * max_q above this does not fit one query tile
-MIN_SPLIT_TOKENS = 128  # a split reads at least this many KV positions
-MAX_SPLITS = 16
-
-
-@dataclass(frozen=True)
-class AttnConfig:
-    block_n: int = 64  # KV positions per tile
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-# Hand-picked for sm_90 (H100/H200); the benchmark sweeps SM90_CONFIGS to re-check them.
-SM90_CONFIGS = (
-    AttnConfig(64, 4, 2),
-    AttnConfig(64, 4, 3),
-    AttnConfig(128, 4, 2),
-    AttnConfig(64, 8, 3),
-    AttnConfig(128, 8, 2),
-)
-INTERPRETER_CONFIG = AttnConfig(block_n=16, num_warps=1, num_stages=1)
-
-
-def default_config(device: torch.device, block_m: int, head_dim: int) -> AttnConfig:
-    if device.type != "cuda":
-        return INTERPRETER_CONFIG
-    if block_m >= 128 or head_dim > 128:
-        return AttnConfig(64, 8, 2)
-    return AttnConfig(64, 4, 3)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
-    """Static split count: enough (request, kv head, split) programs to cover the SMs twice when
-    batch x kv heads alone would leave them idle, each split keeping >= MIN_SPLIT_TOKENS."""
-    programs = batch * n_kv_heads
-    if programs >= num_sms:
-        return 1
-    wanted = -(-2 * num_sms // programs)
-    by_len = max(1, max_kv_len // MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, by_len, MAX_SPLITS))
+__all__ = [
+    "MAX_BLOCK_M", "MAX_SPLITS", "MIN_BLOCK_M", "MIN_SPLIT_TOKENS", "AttnConfig", "LaunchPlan",
+    "choose_num_splits", "default_config", "folded_dense", "gather_dense_kv", "plan_launch",
+    "sdpa_gqa_dense", "verify_attention", "verify_attention_folded", "verify_attention_ref",
+    "verify_attention_sdpa_gqa",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,6 +59,59 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, num_sms: int
 
 
 @triton.jit
+def _load_kv_tile(base, blk, off, stride_b, stride_s, d, n_ok, d_ok,
+                  MASK_N: tl.constexpr, MASK_D: tl.constexpr, DOT_F32: tl.constexpr):
+    ptrs = base + blk[:, None] * stride_b + off[:, None] * stride_s + d[None, :]  # [BLOCK_N, BLOCK_D]
+    if MASK_N:
+        x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif MASK_D:
+        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if DOT_F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i,  # [BLOCK_M, BLOCK_D] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32 (log2 domain, scaled)
+    q,  # [BLOCK_M, BLOCK_D]
+    k_base, v_base,  # cache pointers already offset to this kv head
+    bt_row,  # this request's block-table row
+    start, kv_hi, limit,  # tile start, split end, [BLOCK_M] visibility limit of each row
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale, d, d_ok,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    n_ok = n < kv_hi
+    if MASKED:
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+    off = n % BLOCK_SIZE
+    k = _load_kv_tile(k_base, blk, off, stride_kb, stride_ks, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    # softmax in the log2 domain: exp(x * sm_scale) = exp2(x * qk_scale), qk_scale > 0
+    if MASKED:
+        s = tl.where((n[None, :] < limit[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new  # every row sees every key of this tile
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_kv_tile(v_base, blk, off, stride_vb, stride_vs, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_tokens", "num_requests", "num_splits"])
 def _verify_attn_kernel(
     # Pointers
     q_ptr,  # [T, H, D]
@@ -95,8 +121,8 @@ def _verify_attn_kernel(
     cu_seqlens_q_ptr,  # [B+1] int32
     context_lens_ptr,  # [B] int32
     out_ptr,  # [T, H, D]
-    part_o_ptr,  # [NUM_SPLITS, T, H, D] fp32 (NUM_SPLITS > 1)
-    part_lse_ptr,  # [NUM_SPLITS, T, H] fp32, log2 domain (NUM_SPLITS > 1)
+    part_o_ptr,  # [num_splits, T, H, D] fp32 (SPLIT)
+    part_lse_ptr,  # [num_splits, T, H] fp32, log2 domain (SPLIT)
     # Strides
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -104,21 +130,24 @@ def _verify_attn_kernel(
     stride_bt,
     stride_ot, stride_oh,
     # Dimensions
-    num_tokens, num_heads, head_dim, num_requests,
+    num_tokens, num_heads, num_requests, num_splits,
     qk_scale,  # sm_scale * log2(e)
     # Meta-parameters
+    HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
     CAUSAL: tl.constexpr,
     G: tl.constexpr,  # query heads per kv head
-    BLOCK_M: tl.constexpr,  # >= G * max_q
+    M_TILES: tl.constexpr,  # query tiles per kv head: M_TILES * BLOCK_M >= G * max_q
+    BLOCK_M: tl.constexpr,  # >= G
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the combine kernel
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // M_TILES
+    m_tile = tl.program_id(1) % M_TILES
     split = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + b)
@@ -127,12 +156,12 @@ def _verify_attn_kernel(
     ctx = tl.load(context_lens_ptr + b)
     seq_len = ctx + q_len
 
-    rows = tl.arange(0, BLOCK_M)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     j = rows // G  # new-token index of each row
     heads = kvh * G + rows % G
     row_ok = j < q_len
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
+    d_ok = d < HEAD_DIM
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + (q_start + j)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=q_mask, other=0.0)
@@ -143,89 +172,87 @@ def _verify_attn_kernel(
     else:
         limit = seq_len + j * 0  # block drafters: every new token sees the whole block
 
-    # this split's KV range: chunks of whole tiles, computed on the device from seq_len
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # this split's KV range: chunks of whole tiles, computed on the device from seq_len;
+    # a query tile without a real row reads nothing
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
-    kv_hi = tl.where(q_len > 0, tl.minimum(kv_lo + chunk, seq_len), kv_lo)
+    kv_hi = tl.where(m_tile * BLOCK_M < G * q_len, tl.minimum(kv_lo + chunk, seq_len), kv_lo)
+    # keys below open_hi are visible to every row: whole tiles there need no mask
+    if CAUSAL:  # noqa: SIM108 (constexpr branch)
+        open_hi = tl.minimum(kv_hi, ctx + 1)
+    else:
+        open_hi = kv_hi
+    full_hi = kv_lo + tl.maximum(open_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
 
+    k_base = k_cache_ptr + kvh * stride_kh
+    v_base = v_cache_ptr + kvh * stride_vh
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_hi
-        blk = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
-        blk = blk.to(tl.int64)
-        off = n % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for start in range(kv_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, False,
+                                     DOT_PRECISION, DOT_F32)
+    for start in range(full_hi, kv_hi, BLOCK_N):  # tail: causal mask and range end
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True,
+                                     DOT_PRECISION, DOT_F32)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + (q_start + j)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
-    else:
+    if SPLIT:
         part_row = (split * num_tokens + q_start + j) * num_heads + heads  # [BLOCK_M]
-        tl.store(part_o_ptr + part_row[:, None] * head_dim + d[None, :], o, mask=q_mask)
+        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + (q_start + j)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
     # padding rows (after the last request's queries) come out as zeros
-    if (b == num_requests - 1) & (split == 0):
+    if (b == num_requests - 1) & (split == 0) & (m_tile == 0):
+        lr = tl.arange(0, BLOCK_M)
+        pj = lr // G
+        ph = kvh * G + lr % G
         zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
         for t0 in range(q_end, num_tokens, BLOCK_M // G):
-            t = t0 + j
-            pad_mask = ((j < BLOCK_M // G) & (t < num_tokens))[:, None] & d_ok[None, :]
-            tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            t = t0 + pj
+            pad_mask = ((pj < BLOCK_M // G) & (t < num_tokens))[:, None] & d_ok[None, :]
+            tl.store(out_ptr + t[:, None] * stride_ot + ph[:, None] * stride_oh + d[None, :],
                      zeros, mask=pad_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
 def _combine_splits_kernel(
     # Pointers
-    part_o_ptr,  # [NUM_SPLITS, T, H, D] fp32
-    part_lse_ptr,  # [NUM_SPLITS, T, H] fp32, log2 domain
+    part_o_ptr,  # [num_splits, T, H, D] fp32
+    part_lse_ptr,  # [num_splits, T, H] fp32, log2 domain
     cu_seqlens_q_ptr,  # [B+1] int32
     out_ptr,  # [T, H, D]
     # Strides
     stride_ot, stride_oh,
     # Dimensions
-    num_tokens, num_heads, head_dim, num_requests,
+    num_tokens, num_heads, num_requests, num_splits,
     # Meta-parameters
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t < tl.load(cu_seqlens_q_ptr + num_requests):
         s = tl.arange(0, BLOCK_S)
-        s_ok = s < NUM_SPLITS
+        s_ok = s < num_splits
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
+        d_ok = d < HEAD_DIM
         part_row = (s * num_tokens + t) * num_heads + h  # [BLOCK_S]
         lse = tl.load(part_lse_ptr + part_row, mask=s_ok, other=float("-inf"))
         top = tl.max(lse, 0)
         top = tl.where(top == float("-inf"), 0.0, top)
         w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)  # [BLOCK_S]
-        o = tl.load(part_o_ptr + part_row[:, None] * head_dim + d[None, :],
+        o = tl.load(part_o_ptr + part_row[:, None] * HEAD_DIM + d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
         den = tl.sum(w, 0)
         res = tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
@@ -249,6 +276,31 @@ def _check_meta(meta: Any) -> tuple[int, int]:
     return batch, int(meta.max_q)
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    config: AttnConfig  # the config used (explicit, tuned table or heuristic)
+    block_m: int  # query rows per program
+    m_tiles: int  # query tiles per kv head
+    num_splits: int  # KV splits per (request, kv head, query tile)
+
+
+def plan_launch(device: torch.device, *, num_heads: int, n_kv_heads: int, head_dim: int,
+                batch: int, max_q: int, max_kv_len: int, config: AttnConfig | None = None,
+                num_splits: int | None = None) -> LaunchPlan:
+    """Everything verify_attention decides on the host, from static sizes only."""
+    group = num_heads // n_kv_heads
+    rows = group * max_q
+    cfg = config or default_config(device, rows, head_dim, batch * n_kv_heads)
+    block_m = max(cfg.block_m or natural_block_m(rows), triton.next_power_of_2(group), MIN_BLOCK_M)
+    m_tiles = -(-rows // block_m)
+    if num_splits is None:
+        if cfg.num_splits:
+            num_splits = min(cfg.num_splits, max(1, max_kv_len // MIN_SPLIT_TOKENS))
+        else:
+            num_splits = choose_num_splits(batch * m_tiles, n_kv_heads, max_kv_len, num_sms(device))
+    return LaunchPlan(cfg, block_m, m_tiles, num_splits)
+
+
 def verify_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -262,7 +314,8 @@ def verify_attention(
     causal: bool = True,
 ) -> torch.Tensor:
     """Paged varlen verification attention; returns out [T, H, D] (padding rows zero).
-    ``causal=False``: each new token sees all of its request's new tokens (block drafters)."""
+    ``causal=False``: each new token sees all of its request's new tokens (block drafters).
+    ``num_splits`` overrides the config's split count (which is clamped to the cache length)."""
     check_cache(k_cache, v_cache)
     _, block_size, n_kv_heads, head_dim = k_cache.shape
     check(q.ndim == 3 and q.shape[2] == head_dim, "q", f"must be [T, H, {head_dim}], got {tuple(q.shape)}")
@@ -272,8 +325,9 @@ def verify_attention(
     check(q.stride(-1) == 1, "q", "head_dim must be contiguous")
     batch, max_q = _check_meta(meta)
     group = num_heads // n_kv_heads
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group * max_q))
-    check(block_m <= MAX_BLOCK_M, "meta.max_q", f"{group} heads x {max_q} tokens > {MAX_BLOCK_M} rows per kv head")
+    check(group <= MAX_BLOCK_M, "q", f"{group} query heads per kv head > {MAX_BLOCK_M}")
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else sm_scale
+    check(scale > 0, "sm_scale", f"must be > 0, got {scale}")
     if out is None:
         out = torch.empty_like(q)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out",
@@ -281,19 +335,18 @@ def verify_attention(
     if num_tokens == 0:
         return out
     block_tables = meta.block_tables
-    if num_splits is None:
-        max_kv_len = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, n_kv_heads, max_kv_len, _num_sms(q.device))
+    plan = plan_launch(q.device, num_heads=num_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                       batch=batch, max_q=max_q, max_kv_len=block_tables.shape[1] * block_size,
+                       config=config, num_splits=num_splits)
+    cfg, block_m, m_tiles, num_splits = plan.config, plan.block_m, plan.m_tiles, plan.num_splits
     check(1 <= num_splits <= 64, "num_splits", f"must be in 1..64, got {num_splits}")
-    cfg = config or default_config(q.device, block_m, head_dim)
-    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else sm_scale
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_o = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    _verify_attn_kernel[(batch, n_kv_heads, num_splits)](
+    _verify_attn_kernel[(batch, n_kv_heads * m_tiles, num_splits)](
         q, k_cache, v_cache, block_tables, meta.cu_seqlens_q, meta.context_lens,
         out, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -301,10 +354,10 @@ def verify_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_tokens, num_heads, head_dim, batch,
+        num_tokens, num_heads, batch, num_splits,
         scale * math.log2(math.e),
-        BLOCK_SIZE=block_size, CAUSAL=causal, G=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAUSAL=causal, G=group, M_TILES=m_tiles,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -313,8 +366,8 @@ def verify_attention(
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_o, part_lse, meta.cu_seqlens_q, out,
             out.stride(0), out.stride(1),
-            num_tokens, num_heads, head_dim, batch,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_tokens, num_heads, batch, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out

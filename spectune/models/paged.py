@@ -2,13 +2,15 @@
 verification attention (``spectune.kernels``).
 
 ``backend(layer, q [T,H,D], k [T,Hkv,D], v [T,Hkv,D], meta) -> [T,H,D]`` writes the new K/V rows
-into layer ``layer``'s cache at ``meta.slot_mapping`` (derived from ``meta.block_tables`` when
-absent) and attends over each request's blocks. Every step is device work with static shapes, so
-the model forward can be captured in a CUDA graph.
+into layer ``layer``'s cache at ``meta.slot_mapping`` (derived from the block tables when absent)
+and attends over each request's blocks. ``meta.block_tables`` falls back to the tables of the last
+``allocate`` (drafters build their own per-step meta without tables). Every step is device work
+with static shapes, so the model forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -44,10 +46,19 @@ class PagedTritonAttention:
         self.causal = causal
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.num_splits, self.config = num_splits, config
+        self.block_tables: Tensor | None = None  # [B, max_blocks] int32 of the last allocate()
+        self.shape_key: tuple[int, int, int] | None = None  # (batch, context_len, max_q) allocated
+        self.released = False
         self._slots: Tensor | None = None  # [T] int64, derived at layer 0 when meta has none
 
     def nbytes(self) -> int:
         return self.n_layers * self.cache.nbytes_per_layer()
+
+    def release(self) -> None:
+        """Free the cache memory now (a newer point replaced this cache); later calls fail."""
+        empty = tuple(t.new_empty(0) for t in self.cache.k)
+        self.cache = dataclasses.replace(self.cache, k=empty, v=empty)
+        self.block_tables, self._slots, self.released = None, None, True
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s K and V caches, [num_blocks, block_size, Hkv, D] each."""
@@ -73,6 +84,7 @@ class PagedTritonAttention:
         tables = make_block_tables([context_len + max_q] * batch, self.block_size, self.num_blocks,
                                    shuffle=shuffle, generator=generator, device=self.device)
         self.randomize_()
+        self.block_tables, self.shape_key = tables, (batch, context_len, max_q)
         return tables
 
     def meta_for(self, block_tables: Tensor, q_lens: Sequence[int], context_lens: Sequence[int],
@@ -90,12 +102,17 @@ class PagedTritonAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttnMeta) -> Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D]
+        if self.released:
+            raise RuntimeError("attention cache was released: a newer step replaced it")
+        tables = meta.block_tables if meta.block_tables is not None else self.block_tables
+        if tables is None:
+            raise KernelInputError("meta.block_tables", "required by the paged backend (none allocated)")
         if meta.block_tables is None:
-            raise KernelInputError("meta.block_tables", "required by the paged backend")
+            meta = dataclasses.replace(meta, block_tables=tables)
         slots = meta.slot_mapping
         if slots is None:
             if layer == 0 or self._slots is None or self._slots.shape[0] != q.shape[0]:
-                self._slots = slot_mapping_for(meta.block_tables, meta.context_lens,
+                self._slots = slot_mapping_for(tables, meta.context_lens,
                                                meta.cu_seqlens_q, q.shape[0], self.block_size)
             slots = self._slots
         k_cache, v_cache = self.kv(layer)

@@ -6,6 +6,11 @@ KV caches are sized per point (exact batch, context and query length, so the att
 the server would read). A step owns its cache; building the next step for the same model releases
 the previous cache first (that older step then refuses to run), so only one point's cache lives. An allocation that does not
 fit raises ``torch.cuda.OutOfMemoryError``; the caller records the point as infeasible.
+
+Attention (``build_models(attention=...)``): "triton" is the paged Triton backend (block tables
+and slot mapping built once per step as static device buffers, blocks scattered over the pool as
+a server's cache is), "torch" the dense folded-GQA SDPA backend, "auto" = triton on CUDA, torch
+elsewhere. ``Models.attention_name`` says which one the measurements used.
 """
 
 from __future__ import annotations
@@ -13,17 +18,23 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
+from spectune.kernels.kv_cache import blocks_needed
 from spectune.kernels.meta import AttnMeta
 from spectune.models.attention import AttnMode, DenseTorchAttention
 from spectune.models.config import DrafterSpec, ModelArgs, ModelError
 from spectune.models.decoder import Transformer
 from spectune.models.drafters import BlockDrafter, EagleDrafter, make_drafter
+from spectune.models.paged import PagedTritonAttention
 
 Drafter = EagleDrafter | BlockDrafter
+AttentionChoice = Literal["auto", "triton", "torch"]
+ATTENTION_NAMES = {"triton": "triton_paged", "torch": "torch_folded"}
+PAGE_SIZE = 16  # tokens per KV cache block of the paged backend
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,45 @@ def free_device_memory(device: torch.device | None = None) -> None:
         torch.cuda.empty_cache()
 
 
+def resolve_attention(attention: str, device: torch.device) -> Literal["triton", "torch"]:
+    """"auto" -> "triton" on CUDA, "torch" elsewhere."""
+    if attention == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if attention not in ("triton", "torch"):
+        raise ModelError(f"attention must be 'auto', 'triton' or 'torch', got {attention!r}")
+    return attention  # type: ignore[return-value]
+
+
+def _release_old(module: nn.Module) -> None:
+    old = getattr(module, "backend", None)
+    module.backend = None  # type: ignore[assignment]
+    if isinstance(old, DenseTorchAttention | PagedTritonAttention):
+        old.release()  # steps built earlier may still hold it; its memory goes now
+
+
+def fit_paged_cache(module: nn.Module, n_layers: int, *, batch: int, ctx_max: int, max_q: int,
+                    causal: bool = True) -> PagedTritonAttention:
+    """Give ``module.backend`` a paged cache with room for ``batch`` requests of ``ctx_max`` + ``max_q``
+    tokens, context prefilled with random K/V, block tables scattered over the pool (reused if it
+    already is that size)."""
+    old = getattr(module, "backend", None)
+    key = (batch, ctx_max, max_q)
+    if (isinstance(old, PagedTritonAttention) and not old.released and old.causal == causal
+            and old.shape_key == key):
+        return old
+    del old
+    _release_old(module)
+    args: ModelArgs = module.args  # type: ignore[assignment]
+    weight = next(module.parameters())
+    free_device_memory(weight.device)
+    num_blocks = batch * blocks_needed(ctx_max + max_q, PAGE_SIZE)
+    backend = PagedTritonAttention(n_layers, num_blocks, PAGE_SIZE, args.n_kv_heads, args.head_dim,
+                                   weight.dtype, weight.device, causal=causal)
+    backend.allocate(batch, ctx_max, max_q, generator=torch.Generator().manual_seed(num_blocks))
+    module.backend = backend  # type: ignore[assignment]
+    return backend
+
+
 def fit_cache(module: nn.Module, n_layers: int, *, batch: int, ctx_max: int, max_q: int,
               causal: bool = True, mode: AttnMode | None = None) -> DenseTorchAttention:
     """Give ``module.backend`` a dense cache of exactly this size (reuse it if it already is)."""
@@ -50,10 +100,8 @@ def fit_cache(module: nn.Module, n_layers: int, *, batch: int, ctx_max: int, max
     if (isinstance(old, DenseTorchAttention) and old.shape_key == (batch, ctx_max, max_q)
             and old.causal == causal and old.mode == mode):
         return old
-    module.backend = None  # type: ignore[assignment]
-    if isinstance(old, DenseTorchAttention):
-        old.release()  # steps built earlier may still hold it; its memory goes now
     del old
+    _release_old(module)
     args: ModelArgs = module.args  # type: ignore[assignment]
     weight = next(module.parameters())
     free_device_memory(weight.device)
@@ -77,10 +125,17 @@ def _check_positive(**values: int) -> None:
 
 
 def _packed_step(model: Transformer, q_lens: Sequence[int], tokens: int, context_len: int,
-                 label: str, generator: torch.Generator | None) -> StepFn:
+                 label: str, generator: torch.Generator | None, attention: str) -> StepFn:
     batch, max_q, device = len(q_lens), max(q_lens), model.device
-    backend = fit_cache(model, model.args.n_layers, batch=batch, ctx_max=context_len, max_q=max_q)
-    meta = AttnMeta.from_lens(q_lens, [context_len] * batch, device=device, max_q=max_q)
+    backend: DenseTorchAttention | PagedTritonAttention
+    if resolve_attention(attention, device) == "triton":
+        backend = fit_paged_cache(model, model.args.n_layers, batch=batch, ctx_max=context_len, max_q=max_q)
+        # static device buffers: offsets, block tables [B, max_blocks], slot mapping [T]
+        meta = backend.meta_for(backend.block_tables, q_lens, [context_len] * batch,  # type: ignore[arg-type]
+                                num_tokens=tokens, max_q=max_q)
+    else:
+        backend = fit_cache(model, model.args.n_layers, batch=batch, ctx_max=context_len, max_q=max_q)
+        meta = AttnMeta.from_lens(q_lens, [context_len] * batch, device=device, max_q=max_q)
     pos = [context_len + j for q in q_lens for j in range(q)]
     pos += [0] * (tokens - len(pos))  # padding rows
     positions = torch.tensor(pos, dtype=torch.long, device=device)  # [T]
@@ -99,15 +154,16 @@ def _packed_step(model: Transformer, q_lens: Sequence[int], tokens: int, context
 
 
 def target_step(model: Transformer, *, batch: int, q: int, context_len: int,
-                generator: torch.Generator | None = None) -> StepFn:
+                generator: torch.Generator | None = None, attention: AttentionChoice = "auto") -> StepFn:
     """Target verification with ``q`` tokens for each of ``batch`` requests (T = batch * q)."""
     _check_positive(batch=batch, q=q, context_len=context_len)
     return _packed_step(model, [q] * batch, batch * q, context_len,
-                        f"target b={batch} q={q} ctx={context_len}", generator)
+                        f"target b={batch} q={q} ctx={context_len}", generator, attention)
 
 
 def tier_step(model: Transformer, *, tier: int, batch: int, context_len: int,
-              q_lens: Sequence[int] | None = None, generator: torch.Generator | None = None) -> StepFn:
+              q_lens: Sequence[int] | None = None, generator: torch.Generator | None = None,
+              attention: AttentionChoice = "auto") -> StepFn:
     """``tier`` packed rows: ``batch`` requests with ``q_lens`` tokens, padding rows after."""
     _check_positive(tier=tier, batch=batch, context_len=context_len)
     if batch > tier:
@@ -118,18 +174,23 @@ def tier_step(model: Transformer, *, tier: int, batch: int, context_len: int,
     if min(lens) < 1 or sum(lens) > tier:
         raise ModelError(f"q_lens must be >= 1 each and sum to <= tier={tier}, got {lens}")
     return _packed_step(model, lens, tier, context_len,
-                        f"tier {tier} b={batch} ctx={context_len}", generator)
+                        f"tier {tier} b={batch} ctx={context_len}", generator, attention)
 
 
 def drafter_step(drafter: Drafter, *, batch: int, k: int, context_len: int,
-                 generator: torch.Generator | None = None) -> StepFn:
+                 generator: torch.Generator | None = None, attention: AttentionChoice = "auto") -> StepFn:
     """Drafter proposing ``k`` tokens for each of ``batch`` requests."""
     _check_positive(batch=batch, context_len=context_len)
     if k < 0:
         raise ModelError(f"k must be >= 0, got {k}")
     args = drafter.args
     weight = next(drafter.parameters())
-    if isinstance(drafter, BlockDrafter):
+    backend: DenseTorchAttention | PagedTritonAttention
+    if resolve_attention(attention, weight.device) == "triton":
+        # block drafter: one block of k tokens sees itself whole; autoregressive: k steps of 1
+        backend = fit_paged_cache(drafter, drafter.n_layers, batch=batch, ctx_max=context_len,
+                                  max_q=max(k, 1), causal=not isinstance(drafter, BlockDrafter))
+    elif isinstance(drafter, BlockDrafter):
         backend = fit_cache(drafter, drafter.n_layers, batch=batch, ctx_max=context_len,
                             max_q=max(k, 1), causal=False)
     else:
@@ -165,6 +226,12 @@ class Models:
     max_batch: int
     max_q: int
     context_len: int
+    attention: Literal["triton", "torch"] = "torch"  # resolved backend of every step
+
+    @property
+    def attention_name(self) -> str:
+        """What the steps' attention is, for the measurement records: triton_paged / torch_folded."""
+        return ATTENTION_NAMES[self.attention]
 
     def _check(self, batch: int, q: int, context_len: int) -> None:
         if batch > self.max_batch:
@@ -177,18 +244,19 @@ class Models:
     def target_step(self, *, batch: int, q: int, context_len: int | None = None) -> StepFn:
         ctx = context_len or self.context_len
         self._check(batch, q, ctx)
-        return target_step(self.target, batch=batch, q=q, context_len=ctx)
+        return target_step(self.target, batch=batch, q=q, context_len=ctx, attention=self.attention)
 
     def tier_step(self, *, tier: int, batch: int, context_len: int | None = None,
                   q_lens: Sequence[int] | None = None) -> StepFn:
         ctx = context_len or self.context_len
         self._check(batch, 1, ctx)
-        return tier_step(self.target, tier=tier, batch=batch, context_len=ctx, q_lens=q_lens)
+        return tier_step(self.target, tier=tier, batch=batch, context_len=ctx, q_lens=q_lens,
+                         attention=self.attention)
 
     def drafter_step(self, *, batch: int, k: int, context_len: int | None = None) -> StepFn:
         ctx = context_len or self.context_len
         self._check(batch, 1, ctx)
-        return drafter_step(self.drafter, batch=batch, k=k, context_len=ctx)
+        return drafter_step(self.drafter, batch=batch, k=k, context_len=ctx, attention=self.attention)
 
     def free_caches(self) -> None:
         self.target.backend = None
@@ -198,12 +266,14 @@ class Models:
 
 def build_models(target: ModelArgs, drafter: DrafterSpec, *, device: torch.device | str,
                  dtype: torch.dtype, max_batch: int, max_q: int, context_len: int,
-                 seed: int = 0) -> Models:
-    """Allocate the target and drafter weights once on ``device`` (random, seeded)."""
+                 seed: int = 0, attention: AttentionChoice = "auto") -> Models:
+    """Allocate the target and drafter weights once on ``device`` (random, seeded). ``attention``:
+    "auto" (Triton paged on CUDA, torch folded elsewhere), "triton" or "torch"."""
     _check_positive(max_batch=max_batch, max_q=max_q, context_len=context_len)
     dev = torch.device(device)
+    kind = resolve_attention(attention, dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     model = Transformer(target, None, device=dev, dtype=dtype, generator=gen)
     draft = make_drafter(target, drafter, None, target=model, device=dev, dtype=dtype, generator=gen)
     return Models(args=target, spec=drafter, target=model, drafter=draft, device=dev, dtype=dtype,
-                  max_batch=max_batch, max_q=max_q, context_len=context_len)
+                  max_batch=max_batch, max_q=max_q, context_len=context_len, attention=kind)

@@ -6,6 +6,7 @@ import torch
 from spectune.kernels.attention import (
     AttnConfig,
     choose_num_splits,
+    plan_launch,
     verify_attention,
     verify_attention_folded,
     verify_attention_ref,
@@ -64,6 +65,7 @@ CASES = [
     ([16, 1, 9], [12, 33, 0], 8, 2, 64, torch.float32, 2, 2),  # K = 15: 64-row query tile
     ([16, 3], [21, 5], 8, 1, 128, torch.bfloat16, 1, 1),  # G = 8 x 16 tokens: 128 rows
     ([2, 0, 3], [10, 5, 20], 4, 2, 64, torch.float32, 1, 2),  # a request with no query this step
+    ([3, 2], [40, 9], 4, 2, 48, torch.float32, 1, 1),  # head_dim not a power of 2: masked D
 ]
 
 
@@ -94,6 +96,62 @@ def test_block_n_larger_than_block_size():
     ref = verify_attention_ref(q, k_cache, v_cache, meta)
     out = verify_attention(q, k_cache, v_cache, meta, num_splits=2, config=AttnConfig(32, 1, 1))
     assert max_rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("block_m,num_splits,causal", [
+    (16, 1, True),  # 32 / 64 rows cut into 16-row query tiles (several programs per kv head)
+    (16, 3, True),
+    (32, 2, False),
+    (64, 1, True),  # 12 / 24 rows padded up to one 64-row tile
+])
+def test_query_tiles_match_reference(block_m, num_splits, causal):
+    q_lens, ctx_lens = ([8, 1, 5], [33, 16, 0]) if block_m < 64 else ([3, 6], [40, 17])
+    q, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, n_heads=8, n_kv_heads=2, head_dim=32, pad=3)
+    cfg = AttnConfig(16, 1, 1, block_m=block_m)
+    plan = plan_launch(q.device, num_heads=8, n_kv_heads=2, head_dim=32, batch=len(q_lens),
+                       max_q=max(q_lens), max_kv_len=256, config=cfg, num_splits=num_splits)
+    assert plan.block_m == block_m and plan.m_tiles == -(-4 * max(q_lens) // block_m)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta, causal=causal)
+    out = torch.full_like(q, POISON)
+    verify_attention(q, k_cache, v_cache, meta, out=out, num_splits=num_splits, config=cfg, causal=causal)
+    real = sum(q_lens)
+    assert max_rel_err(out[:real], ref[:real]) < 1e-4
+    assert (out[real:] == 0).all()
+
+
+@pytest.mark.parametrize("ctx", [31, 32, 33, 47, 64])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_unmasked_tiles_end_exactly_at_the_context(ctx, num_splits):
+    # the unmasked loop stops at the last whole tile below ctx + 1; the masked tail does the rest
+    q_lens = [1, 4, 16]
+    q, k_cache, v_cache, meta = make_case(q_lens, [ctx, ctx - 1, ctx + 1], n_heads=4, n_kv_heads=2,
+                                          head_dim=32, pad=1)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = verify_attention(q, k_cache, v_cache, meta, num_splits=num_splits, config=AttnConfig(16, 1, 1))
+    assert max_rel_err(out[:21], ref[:21]) < 1e-4
+
+
+def test_rows_beyond_one_tile():
+    # 16 heads per kv head x 17 tokens = 272 rows: more than one 256-row tile
+    q, k_cache, v_cache, meta = make_case([17, 2], [5, 20], n_heads=16, n_kv_heads=1, head_dim=16, pad=1)
+    plan = plan_launch(q.device, num_heads=16, n_kv_heads=1, head_dim=16, batch=2, max_q=17,
+                       max_kv_len=48, config=AttnConfig(16, 1, 1))
+    assert (plan.block_m, plan.m_tiles) == (256, 2)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(16, 1, 1))
+    assert max_rel_err(out[:19], ref[:19]) < 1e-4
+    assert (out[19:] == 0).all()
+
+
+def test_plan_launch_splits_from_config_are_clamped_to_the_cache():
+    cpu = torch.device("cpu")
+    kw = dict(num_heads=32, n_kv_heads=8, head_dim=128, batch=2, max_q=4)
+    assert plan_launch(cpu, max_kv_len=4096, config=AttnConfig(num_splits=8), **kw).num_splits == 8
+    assert plan_launch(cpu, max_kv_len=300, config=AttnConfig(num_splits=8), **kw).num_splits == 2
+    assert plan_launch(cpu, max_kv_len=300, config=AttnConfig(num_splits=8), num_splits=5, **kw).num_splits == 5
+    # a query tile smaller than one token's heads grows to hold them
+    plan = plan_launch(cpu, max_kv_len=64, config=AttnConfig(block_m=16), **{**kw, "num_heads": 256})
+    assert (plan.block_m, plan.m_tiles) == (32, 4)
 
 
 def test_reference_matches_naive_single_request():
@@ -153,6 +211,8 @@ def test_bad_inputs_name_the_argument():
     no_table = AttnMeta.from_lens([2], [5], device=DEVICE)
     with pytest.raises(KernelInputError, match="block_tables"):
         verify_attention(q, k_cache, v_cache, no_table)
+    with pytest.raises(KernelInputError, match="^sm_scale:"):
+        verify_attention(q, k_cache, v_cache, meta, sm_scale=-0.1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -215,3 +275,22 @@ def test_graph_replay_follows_meta_updates():
         ref = verify_attention_ref(q, k_cache, v_cache, meta)
         assert max_rel_err(out[: cu[-1]], ref[: cu[-1]]) < 1e-2
         assert (out[cu[-1]:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    AttnConfig(64, 4, 2),  # one 64-row tile (wgmma on sm_90)
+    AttnConfig(32, 2, 3, block_m=32),  # two 32-row query tiles per kv head
+    AttnConfig(64, 4, 3, block_m=128),  # padded tile
+    AttnConfig(128, 8, 2, block_m=128, num_splits=3),
+    AttnConfig(32, 4, 4, block_m=16, num_splits=2),
+])
+def test_compiled_configs_match_reference(config):
+    # every shape of launch the sweep can pick, compiled for the GPU, against the fp32 reference
+    q, k_cache, v_cache, meta = make_case([16, 1, 9, 16], [300, 64, 63, 0], n_heads=32, n_kv_heads=8,
+                                          head_dim=128, dtype=torch.bfloat16, pad=3)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = torch.full_like(q, POISON)
+    verify_attention(q, k_cache, v_cache, meta, out=out, config=config)
+    assert max_rel_err(out[:42], ref[:42]) < 1e-2
+    assert (out[42:] == 0).all()

@@ -1,8 +1,11 @@
 import pytest
 import torch
 
+from spectune.kernels.attention import gather_dense_kv
+from spectune.kernels.meta import AttnMeta
 from spectune.models.attention import DenseTorchAttention
 from spectune.models.config import ModelArgs, ModelError, parse_drafter
+from spectune.models.paged import PagedTritonAttention
 from spectune.models.shapes import build_models, even_split
 
 
@@ -70,6 +73,60 @@ def test_drafter_step(drafter):
     assert models.drafter.embed_weight is models.target.embed
 
 
+def test_auto_attention_is_the_dense_torch_path_on_cpu(models):
+    assert (models.attention, models.attention_name) == ("torch", "torch_folded")
+    with pytest.raises(ModelError, match="attention must be"):
+        build_models(ModelArgs.from_name("tiny"), parse_drafter("eagle-1l"), device="cpu",
+                     dtype=torch.float32, max_batch=2, max_q=2, context_len=8, attention="flash")
+
+
+@pytest.fixture(scope="module")
+def paged_models():
+    return build_models(ModelArgs.from_name("tiny"), parse_drafter("dflash-1l"), device="cpu",
+                        dtype=torch.float32, max_batch=4, max_q=4, context_len=24, attention="triton")
+
+
+def test_paged_target_matches_the_dense_backend_on_the_same_cache(paged_models):
+    # the Triton paged backend (CPU interpreter) and the folded torch backend, same cached context
+    models = paged_models
+    assert models.attention_name == "triton_paged"
+    step = models.target_step(batch=2, q=3)
+    paged = models.target.backend
+    assert isinstance(paged, PagedTritonAttention) and paged.shape_key == (2, 24, 3)
+    args = models.args
+    dense = DenseTorchAttention(args.n_layers, 2, 24, 3, args.n_kv_heads, args.head_dim)
+    for layer in range(args.n_layers):
+        k_ctx, v_ctx = gather_dense_kv(*paged.kv(layer), paged.block_tables)  # [B, Hkv, L, D]
+        k_d, v_d = dense.cache(layer)  # [B, slots, Hkv, D]
+        k_d[:, :24] = k_ctx.transpose(1, 2)[:, :24]
+        v_d[:, :24] = v_ctx.transpose(1, 2)[:, :24]
+    ids = torch.randint(1, args.vocab_size, (6,), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([24, 25, 26, 24, 25, 26])
+    meta = paged.meta_for(paged.block_tables, [3, 3], [24, 24], num_tokens=6)
+    got = models.target(ids, positions, meta)
+    models.target.backend = dense
+    want = models.target(ids, positions, AttnMeta.from_lens([3, 3], [24, 24]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(step.run()).all()  # the step puts its own backend back
+
+
+def test_paged_steps_reuse_static_buffers_and_release_old_caches(paged_models):
+    models = paged_models
+    step = models.tier_step(tier=8, batch=3)
+    backend = models.target.backend
+    tables = backend.block_tables
+    assert step.run().shape == (8, models.args.vocab_size)
+    assert models.target.backend is backend and backend.block_tables is tables  # nothing rebuilt
+    drafts = models.drafter_step(batch=2, k=3)
+    ids, conf = drafts.run()
+    assert ids.shape == conf.shape == (2, 3)
+    assert isinstance(models.drafter.backend, PagedTritonAttention) and not models.drafter.backend.causal
+    models.target_step(batch=1, q=2)  # a new point replaces the target cache
+    assert backend.released and backend.nbytes() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        step.run()
+
+
 def test_limits_name_the_field(models):
     with pytest.raises(ModelError, match="max_batch=8"):
         models.target_step(batch=9, q=1)
@@ -80,10 +137,23 @@ def test_limits_name_the_field(models):
 
 
 @pytest.mark.gpu
+def test_auto_attention_on_cuda_is_triton_paged():
+    models = build_models(ModelArgs.from_name("tiny"), parse_drafter("eagle-1l"), device="cuda",
+                          dtype=torch.bfloat16, max_batch=2, max_q=2, context_len=32)
+    assert models.attention_name == "triton_paged"
+    models.target_step(batch=2, q=2).run()
+    assert isinstance(models.target.backend, PagedTritonAttention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
+                                             ("torch", torch.float32)])
 @pytest.mark.parametrize("drafter", ["eagle-1l", "dflash-1l"])
-def test_steps_replay_in_a_cuda_graph_like_eager(drafter):
+def test_steps_replay_in_a_cuda_graph_like_eager(drafter, attention, dtype):
+    # the paged steps' metadata (offsets, block tables, slots) are static buffers: a replay of
+    # the captured forward gives the eager logits
     models = build_models(ModelArgs.from_name("tiny"), parse_drafter(drafter), device="cuda",
-                          dtype=torch.float32, max_batch=4, max_q=4, context_len=64)
+                          dtype=dtype, max_batch=4, max_q=4, context_len=64, attention=attention)
     for make in (lambda: models.target_step(batch=3, q=4), lambda: models.tier_step(tier=16, batch=3),
                  lambda: models.drafter_step(batch=3, k=4)):
         step = make()

@@ -1,0 +1,192 @@
+import json
+import math
+
+import pytest
+import torch
+
+from spectune.kernels import attention_configs as ac
+from spectune.kernels.attention_configs import (
+    INTERPRETER_CONFIG,
+    AttnConfig,
+    ConfigTable,
+    ConfigTableError,
+    SweepTiming,
+    TableEntry,
+    candidate_configs,
+    default_config,
+    heuristic_config,
+    load_table,
+    pick_winners,
+    rescale_splits,
+    table_file_name,
+    table_for_device,
+    table_from_dict,
+    time_candidates,
+)
+from spectune.runtime.schema import SpectuneError
+
+H200 = ac.CONFIG_DIR / "NVIDIA_H200.json"
+
+
+def entry(rows, programs, **cfg):
+    return TableEntry(128, rows, programs, AttnConfig(**cfg))
+
+
+def table_dict(**over):
+    d = {"format": ac.TABLE_FORMAT, "device_name": "Test GPU", "sm_count": 10,
+         "configs": [{"head_dim": 64, "rows": 16, "programs": 8, "block_n": 32, "num_warps": 4,
+                      "num_stages": 2}]}
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("field,value", [("block_n", 48), ("block_n", 8), ("num_warps", 3),
+                                         ("num_stages", 0), ("block_m", 24), ("num_splits", 65)])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ConfigTableError, match=f"^config.{field}:"):
+        AttnConfig(**{field: value})
+    assert issubclass(ConfigTableError, SpectuneError)
+
+
+def test_heuristic_follows_the_tile_layout_rules():
+    assert heuristic_config(4, 128) == AttnConfig(64, 4, 2)  # one 16-row tile
+    assert heuristic_config(32, 128, (9, 0)).block_m == 64  # padded to a wgmma tile on sm_90
+    assert heuristic_config(32, 128, (8, 0)) == AttnConfig(32, 2, 3)  # two warps along M elsewhere
+    assert heuristic_config(64, 128) == AttnConfig(64, 4, 2)
+    assert heuristic_config(256, 128) == AttnConfig(64, 8, 2, block_m=128)
+    assert heuristic_config(16, 256).block_n == 32
+
+
+def test_packaged_h200_table_loads_and_covers_the_buckets():
+    table = load_table(str(H200))
+    assert table.device_name == "NVIDIA H200" and table.sm_count == 132
+    assert table_file_name(table.device_name) == H200.name
+    assert {e.rows for e in table.entries} >= {4, 8, 16, 32, 64, 128, 256}
+    assert all(e.head_dim == 128 for e in table.entries)
+    assert H200.read_text() == table.to_json()  # the file is in the writer's own format
+    for rows in (4, 12, 40, 64, 200):
+        for programs in (8, 512, 4096):
+            assert table.lookup(128, rows, programs, 132) is not None
+    assert table.lookup(64, 16, 512, 132) is None  # another head_dim: no guessing from this table
+
+
+def test_lookup_takes_nearest_rows_then_programs():
+    table = ConfigTable("X", 100, (entry(16, 128, block_n=32), entry(32, 128, block_n=64),
+                                   entry(32, 2048, block_n=128), entry(64, 512, block_n=16)))
+    assert table.lookup(128, 24, 1000, 100).block_n == 128  # rows 24 -> 32 (log2), programs -> 2048
+    assert table.lookup(128, 24, 100, 100).block_n == 64
+    assert table.lookup(128, 4, 100, 100).block_n == 32
+    assert table.lookup(128, 100, 100, 100).block_n == 16
+
+
+def test_rescale_splits_keeps_the_winners_program_count():
+    assert rescale_splits(0, 128, 8, 132) == 0  # automatic stays automatic
+    assert rescale_splits(3, 128, 128, 132) == 3
+    assert rescale_splits(3, 128, 64, 132) == 6  # half the requests: twice the splits
+    assert rescale_splits(3, 128, 8, 132) == ac.MAX_SPLITS
+    assert rescale_splits(2, 512, 2048, 132) == 1
+    assert rescale_splits(1, 512, 1024, 132) == 1
+    assert rescale_splits(1, 512, 64, 132) == 0  # an unsplit winner says nothing about a half-empty GPU
+    table = ConfigTable("X", 132, (entry(16, 128, num_splits=3),))
+    assert table.lookup(128, 16, 64, 132).num_splits == 6
+
+
+def test_table_round_trip_and_errors_name_file_and_field(tmp_path):
+    table = table_from_dict(table_dict(), "t.json")
+    assert table.entries[0].config == AttnConfig(32, 4, 2)
+    again = table_from_dict(json.loads(table.to_json()), "t2.json")
+    assert again == table
+    cases = [
+        (table_dict(extra=1), "t.json: extra: unknown key"),
+        (table_dict(format="v0"), "t.json: format:"),
+        (table_dict(sm_count=0), "t.json: sm_count:"),
+        (table_dict(configs=[]), "t.json: configs:"),
+        (table_dict(configs=[{"head_dim": 64, "rows": 16, "programs": 8, "block_n": 32,
+                              "num_warps": 4, "num_stages": 2, "colour": 1}]), r"configs\[0\].colour"),
+        (table_dict(configs=[{"head_dim": 64, "rows": 16, "programs": 8, "block_n": 33,
+                              "num_warps": 4, "num_stages": 2}]), r"configs\[0\]: config.block_n"),
+        (table_dict(configs=[{"head_dim": 64, "programs": 8, "block_n": 32, "num_warps": 4,
+                              "num_stages": 2}]), r"configs\[0\].rows"),
+    ]
+    for data, message in cases:
+        with pytest.raises(ConfigTableError, match=message):
+            table_from_dict(data, "t.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigTableError, match="bad.json: cannot read JSON"):
+        load_table(str(bad))
+    with pytest.raises(ConfigTableError, match="missing.json: file not found"):
+        load_table(str(tmp_path / "missing.json"))
+
+
+def test_env_override_replaces_the_packaged_table(tmp_path, monkeypatch):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(table_dict(device_name="NVIDIA H200")))
+    monkeypatch.delenv(ac.TABLE_ENV, raising=False)
+    table_for_device.cache_clear()
+    try:
+        assert table_for_device("NVIDIA H200") == load_table(str(H200))  # the packaged one
+        assert table_for_device("Unknown GPU 9000") is None
+        table_for_device.cache_clear()
+        monkeypatch.setenv(ac.TABLE_ENV, str(path))
+        assert table_for_device("NVIDIA H200").entries[0].head_dim == 64
+    finally:
+        table_for_device.cache_clear()
+
+
+def test_default_config_without_cuda_and_for_named_devices():
+    assert default_config(torch.device("cpu"), 64, 128, 512) == INTERPRETER_CONFIG
+    # the CUDA path takes only host facts; an unknown GPU falls back to the heuristic
+    ac._cuda_config.cache_clear()
+    assert ac._cuda_config("Unknown GPU 9000", (8, 0), 108, 32, 128, 512) == heuristic_config(32, 128, (8, 0))
+    assert ac._cuda_config("NVIDIA H200", (9, 0), 132, 32, 128, 512) == \
+        load_table(str(H200)).lookup(128, 32, 512, 132)
+
+
+def test_candidates_cover_the_sweep_axes():
+    small = candidate_configs(4, 128, 128, 2064, 132)  # batch 16: splitting is on the table
+    assert {c.block_n for c in small} == {32, 64, 128}
+    assert {c.num_warps for c in small} == {4, 8}
+    assert {c.num_stages for c in small} == {2, 3, 4}
+    assert {c.num_splits for c in small} == {1, 2, 3, 6}
+    assert {c.block_m for c in small} == {16}
+    mid = candidate_configs(32, 128, 512, 2064, 132)
+    assert {c.block_m for c in mid} == {32, 64} and 2 in {c.num_warps for c in mid}
+    assert {c.num_splits for c in mid} == {1, 2}
+    assert not any(c.num_warps == 8 and c.block_m < 64 and c.block_n == 32 for c in mid)
+    big = candidate_configs(64, 128, 2048, 8208, 132)
+    assert {c.block_m for c in big} == {64, 32} and {c.num_splits for c in big} == {1}
+    assert len(set(big)) == len(big)
+    # the whole sweep grid stays small enough to time in a few minutes
+    total = sum(len(candidate_configs(4 * q, 128, 8 * b, ctx + 16, 132))
+                for ctx in (2048, 8192) for b in (16, 64, 256) for q in (1, 2, 4, 8, 16))
+    assert total < 2500
+
+
+def test_time_candidates_scores_failures_inf():
+    cfgs = [AttnConfig(32), AttnConfig(64), AttnConfig(128)]
+    failed = []
+
+    def bench(cfg):
+        if cfg.block_n == 128:
+            raise RuntimeError("out of resources: shared memory")
+        return cfg.block_n / 10
+
+    times = time_candidates(cfgs, bench, on_error=lambda cfg, exc: failed.append((cfg, str(exc))))
+    assert times == {cfgs[0]: 3.2, cfgs[1]: 6.4, cfgs[2]: math.inf}
+    assert failed == [(cfgs[2], "out of resources: shared memory")]
+
+
+def test_pick_winners_prefers_the_config_good_at_every_context():
+    a, b, c = AttnConfig(32), AttnConfig(64), AttnConfig(128)
+    fake = {  # (rows, ctx) -> {config: ms}
+        (16, 2048): {a: 1.0, b: 1.05, c: 0.9},
+        (16, 8192): {a: 4.0, b: 4.1, c: math.inf},  # c fails at the long context: disqualified
+        (64, 2048): {a: 2.0, b: 1.0, c: 3.0},
+        (64, 8192): {a: 7.0, b: 4.4, c: 4.0},  # b: 1.0 and 1.1x best; c: 3.0 and 1.0x
+    }
+    timings = [SweepTiming(128, rows, 512, ctx, cfg, ms)
+               for (rows, ctx), times in fake.items() for cfg, ms in times.items()]
+    timings.append(SweepTiming(128, 32, 512, 2048, a, math.inf))  # a bucket where everything failed
+    winners = {e.rows: e.config for e in pick_winners(timings)}
+    assert winners == {16: a, 64: b}
