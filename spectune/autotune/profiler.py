@@ -240,6 +240,12 @@ def _capture(records: list[dict[str, Any]]) -> list[CapturePoint]:
     ]
 
 
+def _attention_name(device: torch.device) -> str:
+    from spectune.models.shapes import resolve_attention
+
+    return "triton_paged" if resolve_attention("auto", device) == "triton" else "torch_folded"
+
+
 def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: str | None) -> Table:
     from spectune.models.config import parse_drafter
 
@@ -256,6 +262,7 @@ def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: 
             drafter_kind=drafter.kind, drafter_layers=drafter.n_layers, dtype=r.dtype,  # type: ignore[arg-type]
             context_len=r.context_len, max_k=r.max_k, max_batch=r.batch_sizes[-1],
             device="cuda" if r.device.type == "cuda" else "cpu",
+            attention=_attention_name(r.device),
         ),
         costs=Costs(model=result.params, error=result.error, timer=mode, capture=_capture(result.records),
                     points=_points(result.records), measurements=csv_name),

@@ -57,6 +57,7 @@ class Workload:
     max_k: int
     max_batch: int
     device: Literal["cuda", "cpu"] = "cuda"
+    attention: str | None = None  # attention the target was timed with: triton_paged / torch_folded
 
     def validate(self, path: str) -> None:
         require(self.drafter_layers >= 1, f"{path}.drafter_layers", "must be >= 1")
