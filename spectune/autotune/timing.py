@@ -173,6 +173,9 @@ class CudaGraphTimer:
                 step.run()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        # torch.cuda.graph() empties the cache on entry: empty it first so the warm-up's cached
+        # blocks do not hide the graph pool's growth
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
