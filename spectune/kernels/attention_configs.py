@@ -199,12 +199,17 @@ def _log_gap(a: int, b: int) -> float:
 
 def nearest_entry(entries: tuple[TableEntry, ...], head_dim: int, rows: int,
                   programs: int) -> TableEntry | None:
-    """Among entries of this head_dim (None if there are none): nearest rows, then nearest
-    programs, both in log2; ties go to the smaller bucket."""
+    """Among entries of this head_dim (None if there are none): the smallest rows bucket that
+    holds ``rows`` (a smaller bucket's query tile would split the rows over several tiles, each
+    re-reading the request's KV), else the largest; then nearest programs in log2, ties to the
+    smaller bucket."""
     pool = [e for e in entries if e.head_dim == head_dim]
     if not pool:
         return None
-    return min(pool, key=lambda e: (_log_gap(e.rows, rows), e.rows, _log_gap(e.programs, programs), e.programs))
+    covering = [e for e in pool if e.rows >= rows]
+    bucket = min(e.rows for e in covering) if covering else max(e.rows for e in pool)
+    pool = [e for e in pool if e.rows == bucket]
+    return min(pool, key=lambda e: (_log_gap(e.programs, programs), e.programs))
 
 
 def rescale_splits(splits: int, bucket_programs: int, programs: int, num_sms: int) -> int:

@@ -70,6 +70,15 @@ def test_packaged_h200_table_loads_and_covers_the_buckets():
     assert table.lookup(64, 16, 512, 132) is None  # another head_dim: no guessing from this table
 
 
+def test_lookup_takes_the_smallest_bucket_that_holds_the_rows():
+    # q = 5 with G = 4 is 20 query rows: the 16-row bucket would split them over two tiles
+    # (two KV reads); the 32-row bucket holds them in one
+    table = ConfigTable("X", 100, (entry(16, 128, block_n=32), entry(32, 128, block_n=64)))
+    assert table.lookup(128, 20, 128, 100).block_n == 64
+    assert table.lookup(128, 16, 128, 100).block_n == 32
+    assert table.lookup(128, 40, 128, 100).block_n == 64  # beyond every bucket: the largest
+
+
 def test_lookup_takes_nearest_rows_then_programs():
     table = ConfigTable("X", 100, (entry(16, 128, block_n=32), entry(32, 128, block_n=64),
                                    entry(32, 2048, block_n=128), entry(64, 512, block_n=16)))
