@@ -318,7 +318,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="live requests, e.g. 1,8,32 (default 1,8,32,64,128,256 on CUDA, 1,4 on CPU)")
     p.add_argument("--arms", default="plain,fixed:3,fixed:7,auto",
                    help="plain, fixed:K (K drafts always, all verified), auto (the policy table)")
-    p.add_argument("--prompts", type=int, default=None, help="requests per concurrency (default 2 x concurrency)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="requests per concurrency (default 2 x concurrency, at least 8 on CUDA)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
     p.add_argument("--acceptance", default=None,
@@ -329,10 +330,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", default=None, help="drafter whose cost is paid (default: the policy's)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default: the policy's on CUDA, float32 on CPU")
+                   help="default: the policy's on CUDA, float32 on CPU; float32 on CUDA runs with TF32 "
+                        "off: the exactness gate (docs/BENCH_METHOD.md)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds per timed (concurrency, arm) run; unfinished requests count as failed "
-                        "(default 90 on CUDA, none on CPU)")
+                        "(default 30 on CUDA, none on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="results JSON path")
@@ -356,28 +358,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed,
         time_limit_s=args.time_limit, progress=not args.no_progress,
     )
-    try:
-        results = run_bench(config)
-    except OSError as exc:
-        raise UsageError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
-    head = results["header"]
-    print(f"{head['gpu']}: {head['target']} + {head['drafter']}, prompt {head['prompt_len']}, "
-          f"{head['max_new_tokens']} new tokens, acceptance {head['acceptance']}")
-    print(f"{'conc':>5} {'arm':>9} {'tok/s':>9} {'pred':>9} {'ITL p50':>8} {'p99':>8} {'accept':>7} "
-          f"{'J/tok':>7} {'done':>5} {'fail':>5} {'mism':>5}")
 
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
-    for r in results["rows"]:
-        print(f"{r['concurrency']:>5} {r['arm']:>9} {r['output_tok_s']:>9.1f} {num(r['predicted_tok_s'], '9.1f'):>9} "
+    def show(r: dict) -> None:  # each row as it is measured
+        if r is first_row.setdefault("row", r):
+            print(f"{'conc':>5} {'arm':>9} {'tok/s':>9} {'decode':>9} {'pred':>9} {'@accept':>9} {'ITL p50':>8} "
+                  f"{'p99':>8} {'accept':>7} {'clean':>6} {'J/tok':>7} {'done':>5} {'fail':>5} {'hard':>5} "
+                  f"{'tie':>5}")
+        print(f"{r['concurrency']:>5} {r['arm']:>9} {r['output_tok_s']:>9.1f} {num(r['decode_tok_s'], '9.1f'):>9} "
+              f"{num(r['predicted_tok_s'], '9.1f'):>9} {num(r['predicted_tok_s_at_measured_accept'], '9.1f'):>9} "
               f"{num(r['itl_p50_ms'], '8.2f'):>8} {num(r['itl_p99_ms'], '8.2f'):>8} "
-              f"{num(r['mean_accept_len'], '7.2f'):>7} {num(r['joules_per_token'], '7.3f'):>7} "
-              f"{r['completed']:>5} {r['failed']:>5} {r['mismatches']:>5}")
-    bad = sum(r["mismatches"] for r in results["rows"])
-    if bad:
-        print(f"warning: {bad} requests differ from plain greedy decoding (see docs/BENCH_METHOD.md)",
-              file=sys.stderr)
+              f"{num(r['mean_accept_len'], '7.2f'):>7} {num(r['mean_accept_len_clean'], '6.2f'):>6} "
+              f"{num(r['joules_per_token'], '7.3f'):>7} {r['completed']:>5} {r['failed']:>5} "
+              f"{r['hard_mismatches']:>5} {r['near_tie_mismatches']:>5}", flush=True)
+
+    first_row: dict = {}
+    try:
+        results = run_bench(config, on_row=show)
+    except OSError as exc:
+        raise UsageError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
+    head = results["header"]
+    print(f"{head['gpu']}: {head['target']} + {head['drafter']}, {head['dtype']}, prompt {head['prompt_len']}, "
+          f"{head['max_new_tokens']} new tokens, acceptance {head['acceptance']}")
+    hard = sum(r["hard_mismatches"] for r in results["rows"])
+    ties = sum(r["near_tie_mismatches"] for r in results["rows"])
+    if hard:
+        print(f"warning: {hard} requests differ from plain greedy decoding with a clear plain margin (a defect), "
+              f"{ties} more at near ties ({head['near_tie_tolerance']}; see docs/BENCH_METHOD.md)", file=sys.stderr)
+    elif ties:
+        print(f"note: {ties} requests diverge from plain greedy decoding at near ties ({head['near_tie_tolerance']}, "
+              f"{head['dtype']}): numerical, not a defect; run --dtype float32 for the exactness gate "
+              f"(see docs/BENCH_METHOD.md)", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
 

@@ -10,15 +10,23 @@ Per (concurrency, arm): a warm-up run (the first ``concurrency`` requests, a few
 timed), then the timed run under the NVML sampler. The results JSON (``header`` + ``rows``) is
 what ``spectune report`` reads (``report_inputs.BenchRow``), written atomically.
 
+Exactness: a request whose output differs from plain greedy decoding is a *near tie* when the
+plain arm's top-1 minus top-2 logit at the first differing index is within the dtype's tolerance
+(``NEAR_TIE``: a numerical flip between forwards of different shapes), else a *hard* mismatch (a
+defect). ``--dtype float32`` on CUDA runs with TF32 off: the exactness gate, where hard mismatches
+must be 0. Throughput: ``decode_tok_s`` counts decode/verify steps only (what the simulator
+predicts); ``output_tok_s`` is end to end.
+
 On CPU the same path runs eagerly with the kernels' torch references (the tiny preset by default).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +36,15 @@ import torch
 
 from spectune import __version__
 from spectune.autotune.acceptance import AcceptanceModel, Component, extend_conditional
+from spectune.autotune.bench_accounting import (
+    NEAR_TIE,
+    NearTie,
+    Prediction,
+    classify_mismatches,
+    predict_decode,
+    ratio_minus_one,
+)
 from spectune.autotune.facts import hardware_facts, software_facts
-from spectune.autotune.simulator import simulate
 from spectune.autotune.tuner import resolve_acceptance
 from spectune.kernels.attention import MAX_BLOCK_M, verify_attention_ref
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
@@ -48,10 +63,15 @@ class Defaults:
     max_new_tokens: int
     prompt_len: int
     time_limit_s: float | None  # per timed run
+    min_prompts: int  # requests per concurrency: max(2 x concurrency, min_prompts)
 
 
-GPU_DEFAULTS = Defaults((1, 8, 32, 64, 128, 256), max_new_tokens=128, prompt_len=256, time_limit_s=90.0)
-CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=None)
+# budget arithmetic for qwen3-8b on an H200: docs/BENCH_METHOD.md "Defaults and time"
+GPU_DEFAULTS = Defaults((1, 8, 32, 64, 128, 256), max_new_tokens=128, prompt_len=256, time_limit_s=30.0,
+                        min_prompts=8)
+CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=None, min_prompts=1)
+
+
 WARMUP_TOKENS = 8  # output tokens per warm-up request
 BLOCK_SIZE = 16
 ITL_SAMPLE = 200  # per-token latencies kept per row (evenly spaced quantiles)
@@ -70,7 +90,7 @@ class BenchConfig:
     out: str
     concurrency: str | Sequence[int] | None = None
     arms: str | Sequence[str] = DEFAULT_ARMS
-    prompts: int | None = None  # requests per concurrency; None: 2 x concurrency
+    prompts: int | None = None  # requests per concurrency; None: max(2 x concurrency, the minimum)
     max_new_tokens: int | None = None
     prompt_len: int | None = None
     acceptance: str | None = None  # default: what the policy was tuned on
@@ -79,7 +99,7 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
-    time_limit_s: float | None = None  # per timed run; default 90 s on CUDA
+    time_limit_s: float | None = None  # per timed run; default 30 s on CUDA
     progress: bool = True
 
 
@@ -280,38 +300,27 @@ def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: floa
     return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
 
 
-def mismatches(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> tuple[int, int | None]:
-    """Requests whose output differs from the plain greedy reference, and the first differing
-    output index over them (None when all agree)."""
-    count, first = 0, None
-    for out, ref in zip(outputs, reference, strict=True):
-        n = min(len(out), len(ref))
-        at = next((i for i in range(n) if out[i] != ref[i]), None)
-        if at is not None:
-            count += 1
-            first = at if first is None else min(first, at)
-    return count, first
-
-
-def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, reference: Sequence[Sequence[int]],
-            predicted: float | None) -> dict[str, Any]:
+def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: RunResult,
+            predicted: Prediction, tolerance: NearTie) -> dict[str, Any]:
     lat, wts = res.itl_ms, res.itl_tokens
     per_token = np.repeat(np.asarray(lat, dtype=float), np.asarray(wts, dtype=int)) if lat else np.zeros(0)
     sample = (np.quantile(per_token, np.linspace(0, 1, min(ITL_SAMPLE, len(per_token)))).round(4).tolist()
               if len(per_token) else None)
     ttft = [t for t in res.ttft_ms if t is not None]
     energy = getattr(reading, "energy_j", None) if reading is not None else None
-    bad, first = mismatches(res.outputs, reference)
+    bad = classify_mismatches(res.outputs, plain, tolerance)
     done = sum(res.done)
     spec = any(k > 0 for k in res.k_hist)
     return {
         "concurrency": concurrency,
         "arm": arm,
         "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
+        "decode_tok_s": res.decode_tok_s,
         "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
         "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
         "ttft_ms": float(np.median(ttft)) if ttft else None,
         "mean_accept_len": res.mean_accept_len if spec else None,
+        "mean_accept_len_clean": res.mean_accept_len_clean if spec else None,
         "k_hist": {str(k): n for k, n in res.k_hist.items()},
         "power_w": getattr(reading, "mean_power_w", None),
         "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
@@ -319,14 +328,23 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, reference:
         "throttle_reasons": getattr(reading, "throttle_names", None) if reading is not None else None,
         "completed": done,
         "failed": len(res.done) - done,
-        "mismatches": bad,
-        "first_mismatch_index": first,
-        "predicted_tok_s": predicted,
+        "mismatches": bad.total,
+        "near_tie_mismatches": bad.near_tie,
+        "hard_mismatches": bad.hard,
+        "first_mismatch_index": bad.first,
+        "diverged_requests": res.diverged_requests,
+        "predicted_tok_s": predicted.decode_tok_s,
+        "predicted_tok_s_at_measured_accept": predicted.at_measured_accept,
+        "predicted_tok_s_at_measured_steps": predicted.at_measured_steps,
+        "prediction_error": ratio_minus_one(res.decode_tok_s, predicted.decode_tok_s),
+        "prediction_error_at_measured_accept": ratio_minus_one(res.decode_tok_s, predicted.at_measured_accept),
         "itl_ms": sample,
         "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
         "steps": res.steps,
         "tokens": res.tokens,
+        "decode_tokens": res.decode_tokens,
         "seconds": res.seconds,
+        "decode_seconds": res.decode_ms / 1e3,
         "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
         "idle_rows": res.idle_rows,
         "host_waits": res.waits,
@@ -336,22 +354,21 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, reference:
     }
 
 
-def predict(setup: Setup, arm: str, concurrency: int, n_requests: int, context_len: int,
-            seed: int) -> float | None:
-    """The simulator's goodput for this arm from the policy's cost model and the bench's acceptance."""
+def predict(setup: Setup, arm: str, concurrency: int, n_requests: int, context_len: int, seed: int,
+            res: RunResult) -> Prediction:
+    """The simulator's decode goodput for this arm (``bench_accounting.predict_decode``)."""
     k = parse_arm(arm)
-    policy: Any = FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
-    try:
-        sim = simulate(setup.planner.cost, setup.acceptance, policy, concurrency=concurrency,
-                       context_len=context_len, steps=100_000, requests=n_requests, seed=seed,
-                       mean_output_tokens=setup.requests[0].max_new_tokens)
-    except SpectuneError:
-        return None
-    return sim.goodput_tok_s if math.isfinite(sim.goodput_tok_s) else None
+
+    def make_policy() -> Any:
+        return FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
+
+    return predict_decode(setup.planner.cost, setup.acceptance, make_policy, res, speculative=k != 0,
+                          concurrency=concurrency, requests=n_requests, context_len=context_len, seed=seed,
+                          decode_tokens=setup.requests[0].max_new_tokens - 1)
 
 
 def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], power: Any,
-            time_limit_s: float | None) -> tuple[RunResult, Any]:
+            time_limit_s: float | None, reference: Sequence[Sequence[int]] | None = None) -> tuple[RunResult, Any]:
     engine, planner = setup.engine, setup.planner
     policy: Policy = arm_policy(arm, engine.tiers, planner)
     k = parse_arm(arm)
@@ -362,17 +379,37 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
     engine.run(warm, policy, concurrency=concurrency)
     planner.reset_online()
     if power is None:
-        return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s), None
+        return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
+                          reference=reference), None
     with power.measure() as region:
-        res = engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s)
+        res = engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s, reference=reference)
     return res, region.reading
+
+
+@contextlib.contextmanager
+def exact_float32(device: torch.device, dtype: str) -> Iterator[bool | None]:
+    """float32 on CUDA: TF32 off for matmuls and convolutions while the bench builds (graphs are
+    captured with the math mode of their capture) and runs; restored after. Yields whether TF32
+    is allowed (None off CUDA)."""
+    if device.type != "cuda":
+        yield None
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if dtype == "float32":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run every (concurrency, arm), write the results JSON atomically and return it."""
+    """Run every (concurrency, arm), write the results JSON atomically (again after every row)
+    and return it."""
     device = _device(config.device)
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     concurrency = _ints(config.concurrency if config.concurrency is not None else d.concurrency,
@@ -387,16 +424,51 @@ def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] |
             raise BenchError(f"{option}: must be >= 1, got {value}")
     if config.dtype not in (None, "bfloat16", "float16", "float32"):
         raise BenchError(f"--dtype: must be bfloat16, float16 or float32, got {config.dtype!r}")
-    counts = {c: config.prompts if config.prompts is not None else 2 * c for c in concurrency}
+    counts = {c: config.prompts if config.prompts is not None else max(2 * c, d.min_prompts) for c in concurrency}
     planner = load(config.policy, on_gpu_mismatch="warn")
-    setup = build(config, planner, device, concurrency, arms, max(counts.values()), prompt_len, max_new)
-    hw = hardware_facts(device)
+    dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
+    tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
+    with exact_float32(device, dtype) as tf32:
+        setup = build(dataclasses.replace(config, dtype=dtype), planner, device, concurrency, arms,
+                      max(counts.values()), prompt_len, max_new)
+        header = _header(config, setup, device, prompt_len, max_new, tf32, tolerance)
+
+        def write(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+            # rewritten after every row: a run cut short still leaves the rows it finished
+            results = {"header": {**header, "complete": complete}, "rows": rows}
+            atomic_write_text(Path(config.out), json.dumps(results, indent=1) + "\n")
+            if on_row is not None and rows and not complete:
+                on_row(rows[-1])
+            return results
+
+        rows = _serve_all(setup, config, device, concurrency, arms, counts, limit, tolerance, write)
+    return write(rows, True)
+
+
+def _header(config: BenchConfig, setup: Setup, device: torch.device, prompt_len: int, max_new: int,
+            tf32: bool | None, tolerance: NearTie) -> dict[str, Any]:
+    hw, sw = hardware_facts(device), software_facts()
+    return {
+        "gpu": hw.gpu, "driver": hw.driver, "policy": str(config.policy),
+        "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+        "target": setup.target, "drafter": setup.drafter, "spectune": __version__, "torch": sw.torch,
+        "triton": sw.triton, "method": METHOD, "acceptance": setup.acceptance.source,
+        "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
+        "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
+        "tf32": tf32, "near_tie_tolerance": str(tolerance),
+    }
+
+
+def _serve_all(setup: Setup, config: BenchConfig, device: torch.device, concurrency: Sequence[int],
+               arms: Sequence[str], counts: dict[int, int], limit: float | None, tolerance: NearTie,
+               write: Callable[[list[dict[str, Any]], bool], Any]) -> list[dict[str, Any]]:
     power = None
     if device.type == "cuda":
         from spectune.autotune.nvml import NvmlSampler
 
         power = NvmlSampler(device.index if device.index is not None else torch.cuda.current_device())
     ordered = ["plain"] + [a for a in arms if a != "plain"]
+    prompt_len, max_new = len(setup.requests[0].prompt), setup.requests[0].max_new_tokens
     from tqdm.auto import tqdm
 
     rows: list[dict[str, Any]] = []
@@ -404,34 +476,23 @@ def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] |
               unit="run", leave=False) as bar:
         for c in concurrency:
             requests = setup.requests[: counts[c]]
-            reference: list[list[int]] = []
+            plain: RunResult | None = None
             for arm in ordered:
                 bar.set_postfix_str(f"c={c} {arm}")
-                res, reading = measure(setup, arm, c, requests, power, limit)
-                if arm == "plain":
-                    reference = res.outputs
-                    setup.replay.load(reference, setup.accept, setup.coins)
+                reference = plain.outputs if plain is not None else None
+                res, reading = measure(setup, arm, c, requests, power, limit, reference)
+                if plain is None:
+                    plain = res
+                    setup.replay.load(res.outputs, setup.accept, setup.coins)
                 if arm in arms:
-                    pred = predict(setup, arm, c, len(requests), prompt_len + max_new // 2, config.seed)
-                    rows.append(row_for(arm, c, res, reading, reference, pred))
-                    if on_row is not None:
-                        on_row(rows[-1])
+                    pred = predict(setup, arm, c, len(requests), prompt_len + max_new // 2, config.seed, res)
+                    rows.append(row_for(arm, c, res, reading, plain, pred, tolerance))
+                    write(rows, False)
                 bar.update(1)
     if power is not None:
         power.close()
-    sw = software_facts()
-    header = {
-        "gpu": hw.gpu, "driver": hw.driver, "policy": str(config.policy),
-        "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
-        "target": setup.target, "drafter": setup.drafter, "spectune": __version__, "torch": sw.torch,
-        "triton": sw.triton, "method": METHOD, "acceptance": setup.acceptance.source,
-        "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
-        "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
-    }
-    results = {"header": header, "rows": rows}
-    atomic_write_text(Path(config.out), json.dumps(results, indent=1) + "\n")
-    return results
+    return rows
 
 
-__all__ = ["BenchConfig", "BenchError", "FixedPolicy", "TorchPagedAttention", "arm_policy", "bench_tiers",
-           "parse_arm", "row_for", "run_bench"]
+__all__ = ["NEAR_TIE", "BenchConfig", "BenchError", "FixedPolicy", "NearTie", "TorchPagedAttention", "arm_policy",
+           "bench_tiers", "classify_mismatches", "parse_arm", "row_for", "run_bench"]

@@ -55,6 +55,13 @@ class BenchRow:
     mismatches: int | None = None  # greedy outputs differing from plain greedy decoding
     predicted_tok_s: float | None = None  # simulator prediction for this point
     itl_ms: list[float] | None = None  # sample of per-token latencies
+    decode_tok_s: float | None = None  # decode/verify steps only (prefill and admission left out)
+    mean_accept_len_clean: float | None = None  # steps before each request's divergence only
+    near_tie_mismatches: int | None = None  # mismatches at a plain near tie (numerical)
+    hard_mismatches: int | None = None  # mismatches with a clear plain margin (a defect)
+    diverged_requests: int | None = None
+    predicted_tok_s_at_measured_accept: float | None = None  # simulator at the measured acceptance
+    prediction_error: float | None = None  # decode_tok_s / predicted_tok_s - 1
 
     def validate(self, path: str) -> None:
         if self.concurrency < 1:
@@ -62,11 +69,15 @@ class BenchRow:
         if not self.arm:
             raise TableError(f"{path}.arm", "must not be empty")
         for name in ("output_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_ms", "mean_accept_len", "power_w",
-                     "joules_per_token", "predicted_tok_s"):
+                     "joules_per_token", "predicted_tok_s", "decode_tok_s", "mean_accept_len_clean",
+                     "predicted_tok_s_at_measured_accept"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise TableError(f"{path}.{name}", f"must be a finite number >= 0, got {v!r}")
-        for name in ("completed", "failed", "mismatches"):
+        if self.prediction_error is not None and not math.isfinite(self.prediction_error):
+            raise TableError(f"{path}.prediction_error", f"must be a finite number, got {self.prediction_error!r}")
+        for name in ("completed", "failed", "mismatches", "near_tie_mismatches", "hard_mismatches",
+                     "diverged_requests"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise TableError(f"{path}.{name}", f"must be >= 0, got {v}")

@@ -27,6 +27,11 @@ GPU, counted in ``RunResult.waits``). Admission copies prompts and block tables 
 without waiting. On CUDA, a (rows, K) drafter graph not captured by ``prepare`` is captured when
 first needed (``RunResult.captures``), which synchronises once.
 
+What a run records besides tokens (``engine_run``): per output token the top-1 minus top-2 logit
+of the forward that chose it (plain decoding and prefill; written on the device and copied with
+the tokens), each request's first divergence from an optional ``reference``, and the time spent in
+decode/verify steps apart from prefill and admission.
+
 A policy is the planner or any object with ``plan(batch)`` (``observe`` optional); the bench's
 arms (plain, fixed:K, auto) are such policies. Imports only torch and spectune.runtime /
 spectune.kernels; the target and the proposer (``replay_drafter.Proposer``) are duck-typed.
@@ -37,13 +42,22 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from spectune.kernels.meta import AttnMeta
+from spectune.runtime.engine_run import (
+    MarginTap,
+    Marks,
+    Request,
+    RunLog,
+    RunResult,
+    StepCopy,
+    top2_margin,
+)
 from spectune.runtime.planner import Plan
 from spectune.runtime.replay_drafter import DraftGraphs, DraftInput, Proposer
 from spectune.runtime.schema import SpectuneError
@@ -62,12 +76,6 @@ class EngineError(SpectuneError):
     def __init__(self, name: str, reason: str):
         self.name, self.reason = name, reason
         super().__init__(f"{name}: {reason}")
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: tuple[int, ...]  # [prompt_len] token ids
-    max_new_tokens: int
 
 
 class Policy(Protocol):
@@ -126,89 +134,6 @@ def _to_host(t: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Run bookkeeping (host)
-
-
-@dataclass
-class _Copy:
-    """Emitted tokens of one prefill or step on their way to the host."""
-
-    tokens: Tensor  # [n, width] int64 (host; pinned on CUDA)
-    counts: Tensor | None  # [n] int32 (host); None: one token per row (prefill)
-    rids: list[int]  # request of each row when the step ran
-    iteration: int
-    event: Any  # torch.cuda.Event, None on CPU
-
-    def landed(self) -> bool:
-        return self.event is None or self.event.query()
-
-
-class _Marks:
-    """Time stamps on the device timeline (CUDA events) or the host clock (CPU, eager)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.items: list[Any] = []
-
-    def mark(self) -> int:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.items.append(ev)
-        else:
-            self.items.append(time.perf_counter())
-        return len(self.items) - 1
-
-    def ms(self, a: int, b: int) -> float:  # after the device is synchronised
-        if self.cuda:
-            return float(self.items[a].elapsed_time(self.items[b]))
-        return (self.items[b] - self.items[a]) * 1e3
-
-
-@dataclass(frozen=True)
-class RunResult:
-    outputs: list[list[int]]  # [requests] output token ids (<= max_new_tokens each)
-    done: list[bool]  # request emitted all its max_new_tokens
-    ttft_ms: list[float | None]  # admission -> first token (end of its prefill)
-    itl_ms: list[float]  # per (row, step) with output: iteration time / tokens the row emitted
-    itl_tokens: list[int]  # tokens each itl_ms entry stands for
-    k_hist: dict[int, int]  # steps per K
-    tier_hist: dict[int, int]  # steps per tier
-    steps: int
-    seconds: float  # wall time of the run (device synchronised at both ends)
-    tokens: int  # output tokens over all requests
-    idle_rows: int  # rows of requests already complete, learnt one step late
-    waits: int  # times the host had to wait for a step's copy
-    drafter_calls: int
-    observed: int  # policy.observe calls
-    captures: int  # drafter graphs captured during the run (0 when prepare covered it)
-    timed_out: bool
-
-    @property
-    def mean_accept_len(self) -> float | None:
-        """Output tokens per request per decode step (bonus included)."""
-        return sum(self.itl_tokens) / len(self.itl_tokens) if self.itl_tokens else None
-
-
-@dataclass
-class _Run:
-    requests: Sequence[Request]
-    outputs: list[list[int]] = field(default_factory=list)
-    inflight: list[int] = field(default_factory=list)  # prefills/steps launched, copy not read
-    ttft_marks: dict[int, tuple[int, int]] = field(default_factory=dict)  # rid -> (admit, first)
-    itl: list[tuple[int, int]] = field(default_factory=list)  # (iteration, tokens)
-    idle_rows: int = 0
-    waits: int = 0
-
-    def __post_init__(self) -> None:
-        self.outputs = [[] for _ in self.requests]
-        self.inflight = [0] * len(self.requests)
-
-    def surely_done(self, rid: int) -> bool:
-        return len(self.outputs[rid]) + self.inflight[rid] >= self.requests[rid].max_new_tokens
-
-
-# ---------------------------------------------------------------------------------------------
 # Engine
 
 
@@ -230,7 +155,9 @@ class Engine:
         self.target, self.block_size, self.max_len = target, block_size, max_len
         self.max_batch, self.max_k, self.num_blocks = max_batch, max_k, num_blocks
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
-        self.pool = GraphPool(target, tiers, max_batch=max_batch, max_k=max_k, device=self.device,
+        # the decode graphs also write each token's top-1 minus top-2 logit (engine_run.MarginTap)
+        self.tap = MarginTap(target, max(int(t) for t in tiers), self.device)
+        self.pool = GraphPool(self.tap, tiers, max_batch=max_batch, max_k=max_k, device=self.device,
                               block_size=block_size, max_blocks=self.max_blocks, capture=capture,
                               kernels=kernels)
         self.verifier = AdaptiveVerifier(self.pool, prior=prior)
@@ -247,7 +174,7 @@ class Engine:
         self.rows: list[int] = []  # request of each live row
         self.free_blocks = deque(b for b in range(self.num_blocks) if b != TRASH_BLOCK)
         self.blocks: dict[int, list[int]] = {}  # request -> its KV blocks
-        self.pending: deque[_Copy] = deque()
+        self.pending: deque[StepCopy] = deque()
 
     def blocks_for(self, request: Request) -> int:
         return -(-(len(request.prompt) + request.max_new_tokens + self.max_k + KV_SLACK) // self.block_size)
@@ -281,13 +208,19 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[Request], policy: Policy, *, concurrency: int,
-            time_limit_s: float | None = None) -> RunResult:
+            time_limit_s: float | None = None,
+            reference: Sequence[Sequence[int]] | None = None) -> RunResult:
+        """Serve ``requests`` with at most ``concurrency`` live. ``reference`` [requests][tokens]:
+        the outputs expected (the replay drafter's continuations); each request's first
+        differing index is learnt when its copy lands (``RunResult.diverged_at``)."""
         self.check(requests, concurrency)
+        if reference is not None and len(reference) < len(requests):
+            raise EngineError("reference", f"{len(reference)} outputs for {len(requests)} requests")
         self._synchronize()
         self.verifier.poll_stats()  # drop counts of earlier runs
         self._reset()
         observe = getattr(policy, "observe", None)
-        run, marks = _Run(requests), _Marks(self.cuda)
+        run, marks = RunLog(requests, reference), Marks(self.cuda)
         queue = deque(range(len(requests)))
         k_hist: dict[int, int] = {}
         tier_hist: dict[int, int] = {}
@@ -307,6 +240,7 @@ class Engine:
             if n == 0:  # every admitted request was done at its prefill
                 it += 1
                 continue
+            step_mark = marks.mark()  # decode time runs from here to the next iteration's mark
             if observe is not None:
                 stats = self.verifier.poll_stats()
                 if stats is not None:
@@ -321,6 +255,8 @@ class Engine:
                                      context_lens=self.state.context_lens,
                                      block_tables=self.state.block_tables, k_valid=k_valid)
             self._advance(run, out, n, it)
+            run.decode_spans.append((step_mark, len(iter_marks)))
+            run.step_shapes.append((n, plan.k, out.tier))
             k_hist[plan.k] = k_hist.get(plan.k, 0) + 1
             tier_hist[out.tier] = tier_hist.get(out.tier, 0) + 1
             it += 1
@@ -329,8 +265,8 @@ class Engine:
         self._synchronize()
         seconds = time.perf_counter() - t0
         self._collect(run, must_before=it + 1)
-        return self._result(run, marks, iter_marks, k_hist, tier_hist, seconds, observed,
-                            self.drafts.calls - calls0, self.drafts.captures - captures0, timed_out)
+        return run.result(marks, iter_marks, k_hist, tier_hist, seconds, observed,
+                          self.drafts.calls - calls0, self.drafts.captures - captures0, timed_out)
 
     def _checked(self, plan: Plan, n: int) -> Plan:
         if plan.tier is None or plan.tier not in self.pool.tiers:
@@ -345,7 +281,7 @@ class Engine:
         torch.sub(s.max_new[:n], s.produced[:n], out=kv)  # remaining tokens
         return kv.sub_(1).clamp_(0, k)
 
-    def _advance(self, run: _Run, out: StepOutput, n: int, it: int) -> None:
+    def _advance(self, run: RunLog, out: StepOutput, n: int, it: int) -> None:
         s = self.state
         num = out.num_out  # [n] int32, accepted + 1
         s.produced[:n] += num
@@ -353,9 +289,10 @@ class Engine:
         last = out.out_tokens.gather(1, (num.long() - 1).clamp_(min=0)[:, None])  # [n, 1]
         s.last_token[:n].copy_(last[:, 0])
         tokens, counts = _to_host(out.out_tokens[:, : out.k + 1]), _to_host(num)
-        self._send(run, _Copy(tokens, counts, list(self.rows), it, None))
+        margins = _to_host(self.tap.margins[:n]) if out.k == 0 else None  # written by the decode graph
+        self._send(run, StepCopy(tokens, counts, list(self.rows), it, None, margins))
 
-    def _send(self, run: _Run, copy: _Copy) -> None:
+    def _send(self, run: RunLog, copy: StepCopy) -> None:
         if self.cuda:
             copy.event = torch.cuda.Event()
             copy.event.record()
@@ -363,7 +300,7 @@ class Engine:
             run.inflight[rid] += 1
         self.pending.append(copy)
 
-    def _collect(self, run: _Run, must_before: int) -> None:
+    def _collect(self, run: RunLog, must_before: int) -> None:
         """Read every landed copy in order; wait for those of iterations < ``must_before``."""
         while self.pending:
             copy = self.pending[0]
@@ -373,21 +310,9 @@ class Engine:
                 run.waits += 1
                 copy.event.synchronize()
             self.pending.popleft()
-            tokens = copy.tokens.tolist()
-            counts = copy.counts.tolist() if copy.counts is not None else [1] * len(copy.rids)
-            for row, rid in enumerate(copy.rids):
-                run.inflight[rid] -= 1
-                out = run.outputs[rid]
-                take = min(counts[row], run.requests[rid].max_new_tokens - len(out))
-                out.extend(tokens[row][: max(take, 0)])
-                if copy.counts is None:
-                    continue
-                if take > 0:
-                    run.itl.append((copy.iteration, take))
-                else:
-                    run.idle_rows += 1
+            run.take(copy)
 
-    def _retire(self, run: _Run) -> None:
+    def _retire(self, run: RunLog) -> None:
         keep = [i for i, rid in enumerate(self.rows) if not run.surely_done(rid)]
         if len(keep) == len(self.rows):
             return
@@ -400,7 +325,7 @@ class Engine:
 
     # -- admission and prefill --------------------------------------------------------------------
 
-    def _admit(self, run: _Run, queue: deque[int], concurrency: int, it: int, marks: _Marks,
+    def _admit(self, run: RunLog, queue: deque[int], concurrency: int, it: int, marks: Marks,
                admit_mark: int) -> None:
         new: list[int] = []
         while queue and len(self.rows) + len(new) < concurrency:
@@ -420,19 +345,20 @@ class Engine:
         s.max_new[lo:hi].copy_(_to_device([r.max_new_tokens for r in reqs], torch.int32, self.device))
         s.request[lo:hi].copy_(_to_device(new, torch.int64, self.device))
         s.produced[lo:hi].fill_(1)
-        first = self._prefill(reqs, lo)  # [m] int64
+        first, margins = self._prefill(reqs, lo)  # [m] int64, [m, 2] float32
         s.last_token[lo:hi].copy_(first)
         first_mark = marks.mark()
         for rid in new:
             run.ttft_marks[rid] = (admit_mark, first_mark)
         self.rows += new
-        self._send(run, _Copy(_to_host(first[:, None]), None, new, it, None))
+        self._send(run, StepCopy(_to_host(first[:, None]), None, new, it, None, _to_host(margins)))
 
-    def _prefill(self, reqs: list[Request], row0: int) -> Tensor:
+    def _prefill(self, reqs: list[Request], row0: int) -> tuple[Tensor, Tensor]:
         """Prompts of rows row0.. into the KV cache in chunks of <= prefill_chunk tokens per
         request (the attention's query tile) and <= prefill_tokens per forward; returns the
-        argmax after each prompt [m] int64."""
+        argmax after each prompt [m] int64 and its ``top2_margin`` [m, 2] float32."""
         first = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
+        margins = torch.empty(len(reqs), 2, dtype=torch.float32, device=self.device)
         chunk = self.prefill_chunk
         per_forward = max(1, self.prefill_tokens // chunk)
         for g0 in range(0, len(reqs), per_forward):
@@ -459,28 +385,13 @@ class Engine:
                 if ends:
                     last_rows = _to_device([cu[a + 1] - 1 for a, _ in ends], torch.int64, self.device)
                     where = _to_device([i for _, i in ends], torch.int64, self.device)
-                    first.index_copy_(0, where, logits.index_select(0, last_rows).argmax(dim=-1))
-        return first
+                    last = logits.index_select(0, last_rows)  # [e, V]
+                    first.index_copy_(0, where, last.argmax(dim=-1))
+                    margins.index_copy_(0, where, top2_margin(last))
+        return first, margins
 
     # -- results --------------------------------------------------------------------------------
 
     def _synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-
-    def _result(self, run: _Run, marks: _Marks, iter_marks: list[int], k_hist: dict[int, int],
-                tier_hist: dict[int, int], seconds: float, observed: int, drafter_calls: int,
-                captures: int, timed_out: bool) -> RunResult:
-        spans = [marks.ms(iter_marks[i], iter_marks[i + 1]) for i in range(len(iter_marks) - 1)]
-        itl_ms = [spans[i] / n for i, n in run.itl]
-        ttft: list[float | None] = [None] * len(run.requests)
-        for rid, (a, b) in run.ttft_marks.items():
-            ttft[rid] = marks.ms(a, b)
-        done = [len(o) >= r.max_new_tokens for o, r in zip(run.outputs, run.requests, strict=True)]
-        return RunResult(
-            outputs=run.outputs, done=done, ttft_ms=ttft, itl_ms=itl_ms,
-            itl_tokens=[n for _, n in run.itl], k_hist=dict(sorted(k_hist.items())),
-            tier_hist=dict(sorted(tier_hist.items())), steps=sum(k_hist.values()), seconds=seconds,
-            tokens=sum(len(o) for o in run.outputs), idle_rows=run.idle_rows, waits=run.waits,
-            drafter_calls=drafter_calls, observed=observed, captures=captures, timed_out=timed_out,
-        )

@@ -20,6 +20,12 @@ index), so arms that verify different K see the same hard and easy tokens.
 The confidences handed to the verifier's allocation are ``accept[r, :k]``: the request class's
 prior, not a per-token probability.
 
+The replay is faithful only while a run's context is the reference's. When a request's emitted
+tokens leave its reference (in bf16 a near tie can flip between plain and verification forwards),
+later drafts are proposed for the wrong context and mostly rejected; the engine notices when the
+tokens reach the host (``Engine.run(..., reference=...)``) and keeps those steps out of the clean
+acceptance (``RunResult.mean_accept_len_clean``).
+
 The drafter's time is real: ``cost_drafter.propose(hidden, last_ids, k, context_lens=...)`` (an
 ``EagleDrafter`` or ``BlockDrafter`` of the production shape) runs for every proposal on random
 target features and its output is discarded. Everything here is device work on static buffers, so

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
-from spectune.autotune.bench import bench_tiers, mismatches, parse_arms, weighted_quantile
+from spectune.autotune import bench
+from spectune.autotune.bench import bench_tiers, exact_float32, parse_arms, weighted_quantile
+from spectune.autotune.bench_accounting import (
+    NEAR_TIE,
+    NearTie,
+    accept_scale_for,
+    classify_mismatches,
+    mismatches,
+)
 from spectune.autotune.report import load_inputs
 from spectune.cli import main
 from tests.runtime.test_engine import write_policy
@@ -35,6 +45,12 @@ def test_bench_writes_results_the_report_reads(results):
         assert row.output_tok_s > 0 and row.predicted_tok_s is not None and row.predicted_tok_s > 0
         assert row.itl_p50_ms is not None and row.itl_p50_ms <= row.itl_p99_ms
         assert row.joules_per_token is None  # no NVML on CPU
+        assert row.hard_mismatches == 0 and row.near_tie_mismatches == 0 and row.diverged_requests == 0
+        assert row.decode_tok_s is not None and row.decode_tok_s > 0
+        assert row.prediction_error is not None and math.isfinite(row.prediction_error)
+        assert row.predicted_tok_s_at_measured_accept is not None and row.predicted_tok_s_at_measured_accept > 0
+        # fp32 and no divergence: every step is clean
+        assert row.mean_accept_len_clean == row.mean_accept_len
     assert rs.get(1, "plain").k_counts.keys() == {0} and rs.get(1, "plain").mean_accept_len is None
     assert rs.get(2, "fixed:2").k_counts.keys() == {2}
     assert rs.get(2, "auto").k_counts.keys() <= {2, 3}
@@ -47,8 +63,14 @@ def test_bench_header_and_extra_fields(results):
     for key in ("gpu", "driver", "policy", "date", "target", "drafter", "spectune", "torch", "triton", "method"):
         assert key in head
     assert head["gpu"] == "cpu" and head["target"] == "tiny" and head["drafter"] == "eagle-1l"
+    assert head["dtype"] == "float32" and head["tf32"] is None and "0.0001" in head["near_tie_tolerance"]
+    assert head["complete"] is True
     plain = next(r for r in data["rows"] if r["arm"] == "plain" and r["concurrency"] == 2)
     assert plain["drafter_calls"] == 0 and plain["tokens"] == 3 * 8 and not plain["timed_out"]
+    assert plain["decode_tokens"] == 3 * 7 and 0 < plain["decode_seconds"] <= plain["seconds"]
+    for row in data["rows"]:
+        assert row["predicted_tok_s_at_measured_steps"] > 0
+        assert row["prediction_error"] == pytest.approx(row["decode_tok_s"] / row["predicted_tok_s"] - 1)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -83,3 +105,113 @@ def test_bench_tiers_hold_every_full_batch_step():
     tiers = bench_tiers([64, 128], [1, 8], [0, 3])
     assert {1, 8, 4, 32, 64, 128} <= set(tiers) and tiers == sorted(tiers)
     assert parse_arms("plain, fixed:3,plain") == ("plain", "fixed:3")
+
+
+def _plain(outputs, margins, top1):
+    from spectune.runtime.engine import RunResult
+
+    n = len(outputs)
+    return RunResult(outputs=outputs, done=[True] * n, ttft_ms=[0.0] * n, itl_ms=[], itl_tokens=[], k_hist={},
+                     tier_hist={}, steps=0, seconds=1.0, tokens=0, idle_rows=0, waits=0, drafter_calls=0,
+                     observed=0, captures=0, timed_out=False, margins=margins, top1=top1)
+
+
+def test_mismatches_at_near_ties_are_told_from_hard_ones():
+    nan = float("nan")
+    plain = _plain([[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]],
+                   margins=[[2.0, 0.01, 2.0], [2.0, 0.9, 2.0], [2.0, nan, 2.0], [0.0, 0.0, 0.0]],
+                   top1=[[9.0, 9.0, 9.0], [40.0, 40.0, 40.0], [9.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
+    spec = [[1, 0, 3],  # index 1, margin 0.01: a near tie in bf16, not in fp32
+            [4, 0, 6],  # index 1, margin 0.9 > 40 x 2^-6 = 0.625: hard
+            [7, 0, 9],  # index 1, no margin recorded (a verification step chose it): hard
+            [1, 1, 1]]  # equal
+    bf16 = classify_mismatches(spec, plain, NEAR_TIE["bfloat16"])
+    assert (bf16.total, bf16.near_tie, bf16.hard, bf16.first) == (3, 1, 2, 1)
+    fp32 = classify_mismatches(spec, plain, NEAR_TIE["float32"])
+    assert (fp32.total, fp32.near_tie, fp32.hard) == (3, 0, 3)
+    loose = classify_mismatches(spec, plain, NearTie(0.05, 2.0**-5))  # 40 / 32 = 1.25 > 0.9
+    assert (loose.near_tie, loose.hard) == (2, 1)
+    assert classify_mismatches(plain.outputs, plain, NEAR_TIE["bfloat16"]).total == 0
+
+
+def test_near_tie_tolerance_is_absolute_or_relative():
+    tol = NEAR_TIE["bfloat16"]
+    assert tol.holds(0.05, 1.0) and not tol.holds(0.06, 1.0)  # the floor
+    assert tol.holds(0.15, 9.6) and not tol.holds(0.16, 9.6)  # 9.6 / 64 = 0.15
+    assert tol.holds(0.0, -3.0) and not tol.holds(float("nan"), 1.0)
+
+
+def test_bench_classifies_a_forced_near_tie(tmp_path, monkeypatch):
+    # a fixed arm whose verification picks the second-best token at output index 3 of request 0:
+    # the plain margin there is real; with a tolerance above it the divergence is a near tie
+    real = bench.row_for
+    seen = {}
+
+    def flipped(arm, concurrency, res, reading, plain, predicted, tolerance):
+        if arm != "plain":
+            res.outputs[0][3] = (res.outputs[0][3] + 1) % 512
+            seen["margin"] = plain.margins[0][3]
+            tolerance = NearTie(plain.margins[0][3], 0.0) if arm == "fixed:2" else NearTie(0.0, 0.0)
+        return real(arm, concurrency, res, reading, plain, predicted, tolerance)
+
+    monkeypatch.setattr(bench, "row_for", flipped)
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "r.json"
+    args = ["--concurrency", "2", "--arms", "plain,fixed:2,auto", "--prompts", "2", "--max-new-tokens", "6",
+            "--prompt-len", "5", "--device", "cpu", "--no-progress"]
+    assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert seen["margin"] > 0
+    assert (rows["fixed:2"]["near_tie_mismatches"], rows["fixed:2"]["hard_mismatches"]) == (1, 0)
+    assert (rows["auto"]["near_tie_mismatches"], rows["auto"]["hard_mismatches"]) == (0, 1)
+    assert rows["plain"]["mismatches"] == 0
+
+
+@pytest.mark.parametrize("hard, ties, needle", [(1, 2, "clear plain margin"), (0, 2, "near ties")])
+def test_cli_warning_tells_hard_mismatches_from_near_ties(tmp_path, capsys, monkeypatch, hard, ties, needle):
+    row = {"concurrency": 1, "arm": "fixed:3", "output_tok_s": 1.0, "decode_tok_s": 2.0, "predicted_tok_s": 2.0,
+           "predicted_tok_s_at_measured_accept": 2.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0,
+           "mean_accept_len": 2.0, "mean_accept_len_clean": 2.5, "joules_per_token": None, "completed": 4,
+           "failed": 0, "mismatches": hard + ties, "hard_mismatches": hard, "near_tie_mismatches": ties}
+    head = {"gpu": "g", "target": "t", "drafter": "d", "prompt_len": 8, "max_new_tokens": 8, "acceptance": "a",
+            "dtype": "bfloat16", "near_tie_tolerance": str(NEAR_TIE["bfloat16"])}
+    def fake(config, on_row=None):
+        on_row(row)
+        return {"header": head, "rows": [row]}
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    policy = write_policy(tmp_path / "policy.yaml")
+    assert main(["bench", "--policy", str(policy), "--out", str(tmp_path / "r.json"), "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and needle in err and f"{ties}" in err
+    assert "fixed:3" in out
+
+
+def test_accept_scale_for_finds_the_measured_length():
+    def length(s):  # 1 + s + s^2 for s <= 1, flat after: K = 2 at conditional rate s
+        s = min(s, 1.0)
+        return 1 + s + s * s
+
+    assert accept_scale_for(length, 1.75, 2.0) == pytest.approx(0.5, abs=2e-3)
+    assert accept_scale_for(length, 3.5, 2.0) == 2.0  # beyond the longest: the top of the range
+
+
+def test_exact_float32_turns_tf32_off_only_on_cuda():
+    before = torch.backends.cuda.matmul.allow_tf32
+    with exact_float32(torch.device("cpu"), "float32") as tf32:
+        assert tf32 is None
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.gpu
+def test_float32_gate_on_cuda(tmp_path):
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "r.json"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args = ["--concurrency", "1,2", "--arms", "plain,fixed:2,auto", "--prompts", "3", "--max-new-tokens", "8",
+            "--prompt-len", "9", "--device", "cuda", "--dtype", "float32", "--target", "tiny", "--no-progress"]
+    assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
+    assert torch.backends.cuda.matmul.allow_tf32  # restored
+    data = json.loads(out.read_text())
+    assert data["header"]["tf32"] is False
+    assert all(r["hard_mismatches"] == 0 and r["decode_tok_s"] > 0 for r in data["rows"])

@@ -19,6 +19,7 @@ from spectune.kernels.meta import AttnMeta
 from spectune.models.config import ModelArgs, parse_drafter
 from spectune.models.shapes import build_models, fit_cache
 from spectune.runtime.engine import Engine, EngineError, Request
+from spectune.runtime.engine_run import MarginTap, top2_margin
 from spectune.runtime.planner import load
 from spectune.runtime.replay_drafter import ReplayDrafter
 
@@ -257,3 +258,84 @@ def test_captured_engine_on_cuda_matches_plain_greedy():
     spec = engine.run(requests, FixedPolicy(3, engine.tiers), concurrency=4)
     assert spec.outputs == plain.outputs and spec.captures == 0
     assert engine.drafts.captures > 0 and spec.mean_accept_len > 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# what a run records besides tokens: margins, divergence from a reference, decode time
+
+
+def uncached_margins(target, prompt, outputs):
+    """top-1 minus top-2 logit of each output token, recomputing the whole sequence each time."""
+    seq, gaps = list(prompt), []
+    backend, args = target.backend, target.args
+    for tok in outputs:
+        blocks = 1 + -(-len(seq) // BLOCK)
+        target.backend = TorchPagedAttention(args.n_layers, blocks, BLOCK, args.n_kv_heads, args.head_dim,
+                                             torch.float32, "cpu")
+        meta = AttnMeta(cu_seqlens_q=torch.tensor([0, len(seq)], dtype=torch.int32),
+                        context_lens=torch.zeros(1, dtype=torch.int32), max_q=len(seq),
+                        block_tables=torch.arange(1, blocks, dtype=torch.int32)[None])
+        top = target(torch.tensor(seq), torch.arange(len(seq)), meta)[-1].topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        seq.append(tok)
+    target.backend = backend
+    return gaps
+
+
+def test_plain_run_records_the_margin_of_every_token(rig, plain):
+    for out, gaps, top1 in zip(plain.outputs, plain.margins, plain.top1, strict=True):
+        assert len(gaps) == len(top1) == len(out)
+        assert all(g >= 0 for g in gaps) and all(t == t for t in top1)  # recorded, no NaN
+    # prefill (index 0) and decode steps (the rest) against a forward without cache
+    ref = uncached_margins(rig.target, rig.requests[1].prompt, plain.outputs[1])
+    assert plain.margins[1] == pytest.approx(ref, abs=1e-4)
+
+
+def test_verify_steps_record_no_margin(rig, plain):
+    load_replay(rig, plain.outputs)
+    res = rig.engine.run(rig.requests, FixedPolicy(3, rig.engine.tiers), concurrency=4)
+    for gaps in res.margins:
+        assert gaps[0] == gaps[0]  # the prefill's first token has one
+        assert all(g != g for g in gaps[1:])  # NaN: chosen by a verification step
+
+
+def test_divergence_from_the_reference_is_found_and_later_steps_are_not_clean(rig, plain):
+    load_replay(rig, plain.outputs, accept=1.0)
+    reference = [list(o) for o in plain.outputs]
+    reference[0][5] += 1  # as if the plain run had chosen another token at index 5
+    res = rig.engine.run(rig.requests, FixedPolicy(3, rig.engine.tiers), concurrency=4, reference=reference)
+    assert res.outputs == plain.outputs
+    assert res.diverged_at == [5, None, None, None, None, None] and res.diverged_requests == 1
+    assert len(res.itl_clean) == len(res.itl_tokens) and not all(res.itl_clean)
+    # accept = 1.0: index 0 is the prefill's, then steps emit 1-4 (clean), 5-8 and 9 (not clean)
+    assert res.itl_clean.count(False) == 2
+    assert res.mean_accept_len_clean == pytest.approx(
+        sum(n for n, ok in zip(res.itl_tokens, res.itl_clean, strict=True) if ok) / res.itl_clean.count(True))
+    same = rig.engine.run(rig.requests, FixedPolicy(3, rig.engine.tiers), concurrency=4, reference=plain.outputs)
+    assert same.diverged_requests == 0 and all(same.itl_clean)
+    assert same.mean_accept_len_clean == same.mean_accept_len
+    with pytest.raises(EngineError, match="reference"):
+        rig.engine.run(rig.requests, FixedPolicy(0, rig.engine.tiers), concurrency=2, reference=reference[:2])
+
+
+def test_decode_time_and_step_shapes(rig, plain):
+    load_replay(rig, plain.outputs)
+    for res in (plain, rig.engine.run(rig.requests, FixedPolicy(3, rig.engine.tiers), concurrency=3)):
+        assert 0 < res.decode_ms <= res.seconds * 1e3  # a part of the run
+        assert res.decode_tokens == sum(res.itl_tokens) == res.tokens - len(rig.requests)
+        assert res.decode_tok_s is not None and res.decode_tok_s > 0
+        assert len(res.step_shapes) == res.steps
+        assert {k for _, k, _ in res.step_shapes} == set(res.k_hist)
+        assert all(1 <= b <= 3 and b * (k + 1) <= tier for b, k, tier in res.step_shapes)
+
+
+def test_margin_tap_writes_one_token_forwards_only():
+    logits = torch.tensor([[1.0, 3.0, 2.5], [0.0, -1.0, 0.0], [5.0, 1.0, 2.0]])
+    assert top2_margin(logits).tolist() == [[0.5, 3.0], [0.0, 0.0], [3.0, 5.0]]  # a tie: margin 0
+    tap = MarginTap(lambda ids, pos, meta: logits[: ids.shape[0]], 4, torch.device("cpu"))
+    meta = AttnMeta(cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+                    context_lens=torch.zeros(2, dtype=torch.int32), max_q=2)
+    tap(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), meta)
+    assert torch.isnan(tap.margins).all()  # a verification forward (max_q 2): nothing written
+    tap(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), dataclasses.replace(meta, max_q=1))
+    assert tap.margins[:3].tolist() == [[0.5, 3.0], [0.0, 0.0], [3.0, 5.0]]

@@ -1,0 +1,157 @@
+"""Accounting of ``spectune bench`` rows: exactness (near ties vs hard mismatches) and predictions
+comparable with the measured decode throughput.
+
+Exactness: greedy speculative output must equal plain greedy output. A request that differs is
+classified by the plain arm's top-1 minus top-2 logit (the *margin*) at its first differing
+index: within the dtype's tolerance (``NEAR_TIE``) it is a near tie, a numerical flip between
+forwards of different shapes; otherwise a hard mismatch, a defect.
+
+Prediction: the simulator plays the bench's concurrency, requests and output length through the
+policy's cost model (decode only, as ``decode_tok_s`` measures), once with the bench's acceptance
+model and once with its conditional rates scaled so the simulated acceptance length equals the
+measured clean one; and the cost model is evaluated over the exact steps that ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.simulator import simulate
+from spectune.runtime.costs import CostModel
+from spectune.runtime.engine import RunResult
+from spectune.runtime.planner import step_ms
+from spectune.runtime.schema import SpectuneError
+
+
+@dataclass(frozen=True)
+class NearTie:
+    """A divergence is numerical when the plain margin (top-1 minus top-2 logit) at its index is
+    <= max(atol, rtol * |top-1 logit|)."""
+
+    atol: float
+    rtol: float
+
+    def holds(self, margin: float, top1: float) -> bool:
+        return math.isfinite(margin) and margin <= max(self.atol, self.rtol * abs(top1))
+
+    def __str__(self) -> str:
+        return f"margin <= max({self.atol:g}, {self.rtol:g} x |top1|)"
+
+
+# bf16 / fp16: 2-4 units in the last place of the top-1 logit (8- / 11-bit significands), with a
+# floor for small logits; fp32: reduction-order noise only (docs/BENCH_METHOD.md "Exactness")
+NEAR_TIE = {"bfloat16": NearTie(0.05, 2.0**-6), "float16": NearTie(0.01, 2.0**-9), "float32": NearTie(1e-4, 0.0)}
+
+
+def mismatches(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> tuple[int, int | None]:
+    """Requests whose output differs from the plain greedy reference, and the first differing
+    output index over them (None when all agree)."""
+    count, first = 0, None
+    for out, ref in zip(outputs, reference, strict=True):
+        n = min(len(out), len(ref))
+        at = next((i for i in range(n) if out[i] != ref[i]), None)
+        if at is not None:
+            count += 1
+            first = at if first is None else min(first, at)
+    return count, first
+
+
+@dataclass(frozen=True)
+class Mismatches:
+    total: int  # requests whose output differs from the plain reference
+    near_tie: int  # ... first at an index where the plain margin is within the tolerance
+    hard: int  # ... first at an index with a clear plain margin (or none recorded): a defect
+    first: int | None  # earliest differing output index over them
+
+
+def classify_mismatches(outputs: Sequence[Sequence[int]], plain: RunResult, tolerance: NearTie) -> Mismatches:
+    """Compare ``outputs`` with the plain run's outputs and classify each differing request by
+    the plain margin at its first differing index."""
+    total, near, first = 0, 0, None
+    for rid, (out, ref) in enumerate(zip(outputs, plain.outputs, strict=True)):
+        at = next((i for i in range(min(len(out), len(ref))) if out[i] != ref[i]), None)
+        if at is None:
+            continue
+        total += 1
+        first = at if first is None else min(first, at)
+        margins, top1 = plain.margins[rid], plain.top1[rid]
+        if at < len(margins) and tolerance.holds(margins[at], top1[at]):
+            near += 1
+    return Mismatches(total, near, total - near, first)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    decode_tok_s: float | None  # simulator, the bench's acceptance model
+    at_measured_accept: float | None  # simulator, acceptance rescaled to the measured clean length
+    at_measured_steps: float | None  # cost model over the steps that ran (their batch, K, tier)
+
+
+def ratio_minus_one(a: float | None, b: float | None) -> float | None:
+    return a / b - 1.0 if a is not None and b else None
+
+
+def accept_scale_for(length: Callable[[float], float], target: float, hi: float, iterations: int = 10) -> float:
+    """The scale s in [0, hi] where the non-decreasing acceptance length ``length(s)`` crosses
+    ``target`` (bisection); ``hi`` when even ``length(hi)`` falls short."""
+    lo = 0.0
+    if length(hi) <= target:
+        return hi
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if length(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+SIM_REQUESTS = 128  # simulated requests per prediction at least: the bench's workload, replicated
+
+
+@dataclass(frozen=True)
+class _Sim:
+    goodput_tok_s: float | None
+    mean_accept_len: float
+
+
+def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], Any], res: RunResult, *,
+                   speculative: bool, concurrency: int, requests: int, decode_tokens: int, context_len: int,
+                   seed: int) -> Prediction:
+    """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
+
+    The simulator plays the bench's workload (``requests`` requests of ``decode_tokens`` tokens
+    after the prefill's first, at ``concurrency``), replicated over seeds up to ``SIM_REQUESTS``
+    requests so that the sampling noise of a few requests does not enter the prediction.
+    ``make_policy()`` gives a fresh policy (online state reset). With the acceptance rescaled the
+    error left is the cost model's and the workload's (the simulator keeps the batch full, the bench
+    drains at the end); over the measured steps it is the cost model's alone."""
+    reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
+
+    def run(scale: float) -> _Sim:
+        tokens, seconds, slots = 0, 0.0, 0
+        for i in range(reps):
+            sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
+                           steps=100_000, requests=requests, seed=seed + i, accept_scale=scale,
+                           mean_output_tokens=max(1, decode_tokens))
+            tokens, seconds, slots = tokens + sim.tokens, seconds + sim.seconds, slots + sim.steps * concurrency
+        rate = tokens / seconds if seconds > 0 else math.inf
+        return _Sim(rate if math.isfinite(rate) else None, tokens / max(1, slots))
+
+    try:
+        base = run(1.0).goodput_tok_s
+        at_accept = None if speculative else base
+        measured = res.mean_accept_len_clean if speculative else None
+        if measured is not None:
+            # past 1 / (smallest rate) every rate is clipped to 1: the longest acceptance there is
+            smallest = min((a for c in acceptance.components for a in c.accept if a > 0), default=1.0)
+            scale = accept_scale_for(lambda s: run(s).mean_accept_len, measured, 1.0 / max(smallest, 1e-3))
+            at_accept = run(scale).goodput_tok_s
+    except SpectuneError:
+        return Prediction(None, None, None)
+    timed = dataclasses.replace(cost, context_len=context_len)
+    ms = sum(step_ms(timed, b, k, tier) for b, k, tier in res.step_shapes)
+    at_steps = res.decode_tokens / ms * 1e3 if ms > 0 and res.decode_tokens else None
+    return Prediction(base, at_accept, at_steps)
