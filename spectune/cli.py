@@ -336,6 +336,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="seconds per timed (concurrency, arm) run; unfinished requests count as failed "
                         "(default 30 on CUDA, none on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decisive-logits", choices=["auto", "on", "off"], default="auto",
+                   help="bias random-weight logits so greedy decisions survive 16-bit rounding "
+                        "(auto: on for bfloat16/float16; see docs/BENCH_METHOD.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="results JSON path")
     p.set_defaults(func=cmd_bench)
@@ -357,6 +360,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, acceptance=args.acceptance,
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed,
         time_limit_s=args.time_limit, progress=not args.no_progress,
+        decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
     )
 
     def num(v, fmt):

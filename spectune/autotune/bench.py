@@ -101,6 +101,7 @@ class BenchConfig:
     seed: int = 0
     time_limit_s: float | None = None  # per timed run; default 30 s on CUDA
     progress: bool = True
+    decisive: bool | None = None  # DecisiveLogits on the target; None: on for 16-bit dtypes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class Setup:
 def build(config: BenchConfig, planner: Planner, device: torch.device, concurrency: Sequence[int],
           arms: Sequence[str], n_requests: int, prompt_len: int, max_new: int) -> Setup:
     from spectune.models.config import parse_drafter, resolve_target
+    from spectune.models.decisive import DecisiveLogits
     from spectune.models.paged import PagedTritonAttention
     from spectune.models.shapes import build_models, fit_cache
 
@@ -268,7 +270,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     replay = ReplayDrafter(max_requests=n_requests, max_len=max_new, max_k=max(max_k, 1),
                            vocab_size=args.vocab_size, device=device, cost_drafter=models.drafter,
                            hidden=hidden)
-    engine = Engine(models.target, tiers=bench_tiers(planner.tiers, concurrency, fixed + [0]),
+    target = DecisiveLogits(models.target) if decisive_for(config, dtype) else models.target
+    engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, fixed + [0]),
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
                     device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
                     prefill_chunk=max(1, MAX_BLOCK_M // args.group))
@@ -281,6 +284,11 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     accept = torch.tensor(acceptance.sample(rng, n_requests), dtype=torch.float32)
     coins = torch.tensor(rng.random((n_requests, max_new)), dtype=torch.float32)
     return Setup(engine, replay, planner, acceptance, requests, accept, coins, args.name, spec.name, dtype)
+
+
+def decisive_for(config: BenchConfig, dtype: str) -> bool:
+    """Random-weight 16-bit targets get decisive logits unless the user says otherwise."""
+    return config.decisive if config.decisive is not None else dtype in ("bfloat16", "float16")
 
 
 def _table_acceptance(table: Any) -> AcceptanceModel | None:
@@ -456,6 +464,7 @@ def _header(config: BenchConfig, setup: Setup, device: torch.device, prompt_len:
         "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
         "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
         "tf32": tf32, "near_tie_tolerance": str(tolerance),
+        "decisive_logits": decisive_for(config, setup.dtype),
     }
 
 

@@ -88,6 +88,16 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
+def _max_k(cfg: dict[str, Any], key: str, where: str) -> int:
+    # the engine's required largest draft length, a positive integer
+    if key not in cfg:
+        raise ExportError(f"{where}: missing")
+    max_k = _int(cfg[key], where)
+    if max_k <= 0:
+        raise ExportError(f"{where}: must be > 0, got {max_k}")
+    return max_k
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM
 
@@ -109,11 +119,7 @@ def validate_vllm(cfg: Any) -> None:
     """vLLM's rules (validate_and_normalize_dynamic_sd_schedule) plus contiguity and K <= max."""
     if not isinstance(cfg, dict):
         raise ExportError("vllm: speculative_config must be a JSON object")
-    if "num_speculative_tokens" not in cfg:
-        raise ExportError("vllm: num_speculative_tokens: missing")
-    max_k = _int(cfg["num_speculative_tokens"], "vllm: num_speculative_tokens")
-    if max_k <= 0:
-        raise ExportError(f"vllm: num_speculative_tokens: must be > 0, got {max_k}")
+    max_k = _max_k(cfg, "num_speculative_tokens", "vllm: num_speculative_tokens")
     entries = cfg.get(VLLM_KEY)
     if not isinstance(entries, list) or not entries:
         raise ExportError(f"vllm: {VLLM_KEY}: must be a non-empty list of [lo, hi, K]")
@@ -230,11 +236,7 @@ def validate_trtllm(cfg: Any) -> None:
     spec = cfg.get("speculative_config") if isinstance(cfg, dict) else None
     if not isinstance(spec, dict):
         raise ExportError("trtllm: speculative_config: must be a mapping")
-    if "max_draft_len" not in spec:
-        raise ExportError("trtllm: speculative_config.max_draft_len: missing")
-    max_k = _int(spec["max_draft_len"], "trtllm: speculative_config.max_draft_len")
-    if max_k <= 0:
-        raise ExportError(f"trtllm: speculative_config.max_draft_len: must be > 0, got {max_k}")
+    max_k = _max_k(spec, "max_draft_len", "trtllm: speculative_config.max_draft_len")
     sched = spec.get("draft_len_schedule")
     if not isinstance(sched, dict) or not sched:
         raise ExportError("trtllm: speculative_config.draft_len_schedule: must be a non-empty mapping")

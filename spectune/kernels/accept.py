@@ -18,6 +18,7 @@ can refill them in place and tests can seed them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +65,13 @@ def _request_rows(cu_seqlens_q: torch.Tensor, max_k: int) -> list[tuple[int, int
     return [(cu[i], min(max(cu[i + 1] - cu[i] - 1, -1), max_k)) for i in range(len(cu) - 1)]
 
 
-def accept_greedy_ref(
-    target_ids: torch.Tensor,  # [T] int64, argmax of the target's logits per packed row
+def _accept_ref(
     drafts: torch.Tensor,  # [B, K] int64
     cu_seqlens_q: torch.Tensor,  # [B+1] int32
-    stats: StatsCounters | None = None,
+    stats: StatsCounters | None,
+    decide: Callable[[int, int, int], tuple[int, torch.Tensor]],  # (i, start, g) -> (a_i, last token)
 ) -> AcceptOutput:
+    """Each live request i emits its ``a_i`` accepted drafts, then the token ``decide`` drew."""
     batch, max_k = drafts.shape
     out = AcceptOutput.empty(batch, max_k, "cpu")
     grants = []
@@ -77,16 +79,29 @@ def accept_greedy_ref(
         grants.append(max(g, 0))
         if g < 0:
             continue
-        a = 0
-        while a < g and int(drafts[i, a]) == int(target_ids[start + a]):
-            a += 1
+        a, token = decide(i, start, g)
         out.out_tokens[i, :a] = drafts[i, :a]
-        out.out_tokens[i, a] = target_ids[start + a]
+        out.out_tokens[i, a] = token
         out.accepted[i] = a
         out.num_out[i] = a + 1
     if stats is not None:
         update_stats_ref(stats, out.accepted, torch.tensor(grants), out.num_out > 0)
     return out
+
+
+def accept_greedy_ref(
+    target_ids: torch.Tensor,  # [T] int64, argmax of the target's logits per packed row
+    drafts: torch.Tensor,  # [B, K] int64
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    stats: StatsCounters | None = None,
+) -> AcceptOutput:
+    def decide(i: int, start: int, g: int) -> tuple[int, torch.Tensor]:
+        a = 0
+        while a < g and int(drafts[i, a]) == int(target_ids[start + a]):
+            a += 1
+        return a, target_ids[start + a]
+
+    return _accept_ref(drafts, cu_seqlens_q, stats, decide)
 
 
 def accept_sampling_ref(
@@ -98,13 +113,7 @@ def accept_sampling_ref(
     sample_noise: torch.Tensor,  # [B, V] float32, 1 / Exp(1)
     stats: StatsCounters | None = None,
 ) -> AcceptOutput:
-    batch, max_k = drafts.shape
-    out = AcceptOutput.empty(batch, max_k, "cpu")
-    grants = []
-    for i, (start, g) in enumerate(_request_rows(cu_seqlens_q, max_k)):
-        grants.append(max(g, 0))
-        if g < 0:
-            continue
+    def decide(i: int, start: int, g: int) -> tuple[int, torch.Tensor]:
         a = 0
         while a < g:
             x = int(drafts[i, a])
@@ -124,13 +133,9 @@ def accept_sampling_ref(
         w = torch.clamp(p - q, min=0.0)
         if not bool((w > 0).any()):
             w = p  # p == q on every token: nothing to recover, draw from p
-        out.out_tokens[i, :a] = drafts[i, :a]
-        out.out_tokens[i, a] = torch.argmax(w * sample_noise[i])
-        out.accepted[i] = a
-        out.num_out[i] = a + 1
-    if stats is not None:
-        update_stats_ref(stats, out.accepted, torch.tensor(grants), out.num_out > 0)
-    return out
+        return a, torch.argmax(w * sample_noise[i])
+
+    return _accept_ref(drafts, cu_seqlens_q, stats, decide)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +144,23 @@ def accept_sampling_ref(
 STEPS_AT: tl.constexpr = tl.constexpr(STEPS)  # offsets into the totals of the stats buffer
 REQUESTS_AT: tl.constexpr = tl.constexpr(REQUESTS)
 EMITTED_AT: tl.constexpr = tl.constexpr(EMITTED)
+
+
+@triton.jit
+def _request_grants(
+    cu_seqlens_q_ptr,  # [B+1] int32
+    batch,
+    max_k,
+    BLOCK_B: tl.constexpr,
+):
+    # this program's requests, their first packed row, and the drafts granted to each
+    req = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+    req_ok = req < batch
+    start = tl.load(cu_seqlens_q_ptr + req, mask=req_ok, other=0)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1, mask=req_ok, other=0) - start
+    live = req_ok & (q_len >= 1)  # q_len = 0: not in this step
+    grant = tl.minimum(tl.maximum(q_len - 1, 0), max_k)
+    return req, req_ok, start, live, grant
 
 
 @triton.jit
@@ -210,12 +232,7 @@ def _accept_greedy_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
-    req = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    req_ok = req < batch
-    start = tl.load(cu_seqlens_q_ptr + req, mask=req_ok, other=0)
-    q_len = tl.load(cu_seqlens_q_ptr + req + 1, mask=req_ok, other=0) - start
-    live = req_ok & (q_len >= 1)
-    grant = tl.minimum(tl.maximum(q_len - 1, 0), max_k)
+    req, req_ok, start, live, grant = _request_grants(cu_seqlens_q_ptr, batch, max_k, BLOCK_B)
     j = tl.arange(0, BLOCK_Q)[None, :]
     target = tl.load(target_ids_ptr + start[:, None] + j, mask=live[:, None] & (j <= grant[:, None]), other=PLACEHOLDER)
     draft = tl.load(drafts_ptr + req[:, None] * max_k + j, mask=live[:, None] & (j < grant[:, None]), other=PLACEHOLDER)
@@ -255,12 +272,7 @@ def _accept_sampling_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    req = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    req_ok = req < batch
-    start = tl.load(cu_seqlens_q_ptr + req, mask=req_ok, other=0)
-    q_len = tl.load(cu_seqlens_q_ptr + req + 1, mask=req_ok, other=0) - start
-    live = req_ok & (q_len >= 1)
-    grant = tl.minimum(tl.maximum(q_len - 1, 0), max_k)
+    req, req_ok, start, live, grant = _request_grants(cu_seqlens_q_ptr, batch, max_k, BLOCK_B)
     j = tl.arange(0, BLOCK_Q)[None, :]
     is_granted = live[:, None] & (j < grant[:, None])
     draft = tl.load(drafts_ptr + req[:, None] * max_k + j, mask=is_granted, other=0)

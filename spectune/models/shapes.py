@@ -68,6 +68,16 @@ def _release_old(module: nn.Module) -> None:
         old.release()  # steps built earlier may still hold it; its memory goes now
 
 
+def _make_room(module: nn.Module) -> tuple[ModelArgs, torch.Tensor]:
+    """Release ``module``'s cache and free device memory for a new one; returns the model's args and
+    one of its weights (dtype and device of the new cache)."""
+    _release_old(module)
+    args: ModelArgs = module.args  # type: ignore[assignment]
+    weight = next(module.parameters())
+    free_device_memory(weight.device)
+    return args, weight
+
+
 def fit_paged_cache(module: nn.Module, n_layers: int, *, batch: int, ctx_max: int, max_q: int,
                     causal: bool = True) -> PagedTritonAttention:
     """Give ``module.backend`` a paged cache with room for ``batch`` requests of ``ctx_max`` + ``max_q``
@@ -79,10 +89,7 @@ def fit_paged_cache(module: nn.Module, n_layers: int, *, batch: int, ctx_max: in
             and old.shape_key == key):
         return old
     del old
-    _release_old(module)
-    args: ModelArgs = module.args  # type: ignore[assignment]
-    weight = next(module.parameters())
-    free_device_memory(weight.device)
+    args, weight = _make_room(module)
     num_blocks = batch * blocks_needed(ctx_max + max_q, PAGE_SIZE)
     backend = PagedTritonAttention(n_layers, num_blocks, PAGE_SIZE, args.n_kv_heads, args.head_dim,
                                    weight.dtype, weight.device, causal=causal)
@@ -101,10 +108,7 @@ def fit_cache(module: nn.Module, n_layers: int, *, batch: int, ctx_max: int, max
             and old.causal == causal and old.mode == mode):
         return old
     del old
-    _release_old(module)
-    args: ModelArgs = module.args  # type: ignore[assignment]
-    weight = next(module.parameters())
-    free_device_memory(weight.device)
+    args, weight = _make_room(module)
     backend = DenseTorchAttention(n_layers, batch, ctx_max, max_q, args.n_kv_heads, args.head_dim,
                                   dtype=weight.dtype, device=weight.device, mode=mode, causal=causal)
     backend.randomize_()

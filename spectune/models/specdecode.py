@@ -22,7 +22,6 @@ import gzip
 import inspect
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from spectune.runtime.schema import SpectuneError
+from spectune.runtime.schema import SpectuneError, atomic_write_bytes
 
 TRACE_FIELDS = ("request", "step", "offered", "accepted", "conf", "dataset", "drafter", "model")
 CONF_DECIMALS = 4
@@ -252,18 +251,7 @@ def write_traces(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]
     path = Path(path)
     text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
     data = gzip.compress(text, compresslevel=9, mtime=0) if path.name.endswith(".gz") else text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; traces are shipped package data
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)
 
 
 def read_traces(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -151,6 +151,15 @@ def require(cond: bool, path: str, reason: str) -> None:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    _atomic_write(path, text, "w")
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    _atomic_write(path, data, "wb")
+
+
+def _atomic_write(path: str | os.PathLike[str], content: str | bytes, mode: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -158,8 +167,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, mode) as fh:
+            fh.write(content)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -23,39 +23,25 @@ from spectune.autotune.report_plots import point_errors, predicted_ms
 from spectune.cli import main
 from spectune.runtime.costs import CostModel
 from spectune.runtime.table import (
-    SCHEMA,
     CapturePoint,
     CostError,
-    CostModelParams,
-    Costs,
-    DrafterCost,
     Hardware,
-    Online,
-    OverheadCost,
     Point,
-    Policy,
-    PowerModel,
     Row,
     Software,
     Table,
-    TargetCost,
-    Workload,
     write_table,
 )
+from tests.tables import make_params, make_policy, make_profile, make_workload
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_small.json"
 
 
 def make_table(with_policy: bool = True, with_points: bool = True) -> Table:
-    params = CostModelParams(
-        target=TargetCost(weight_ms=4.9, token_ms=0.002, knee_tokens=48, compute_ms=0.03, kv_ms_per_mtok=0.9),
-        drafter=DrafterCost(fixed_ms=0.05, step_ms=0.38, token_ms=0.0004),
-        overhead=OverheadCost(base_ms=0.04, token_ms=0.0002),
-        power=PowerModel(idle_w=110, busy_w=650, saturate_tokens=512),
-    )
-    w = Workload(target="qwen3-8b", drafter="eagle-1l", drafter_kind="autoregressive", drafter_layers=1,
-                 dtype="bfloat16", context_len=2048, max_k=7, max_batch=64)
+    params = make_params(target=(4.9, 0.002, 48, 0.03, 0.9), drafter=(0.05, 0.38, 0.0004),
+                         overhead=(0.04, 0.0002), power=(110, 650, 512))
+    w = make_workload(7, 64)
     model = CostModel(params, w.drafter_kind, w.context_len)
     points = []
     if with_points:
@@ -72,17 +58,17 @@ def make_table(with_policy: bool = True, with_points: bool = True) -> Table:
         points.append(Point("target", 128, 1024, None, q=8))  # infeasible point: drawn nowhere
     policy = None
     if with_policy:
-        policy = Policy(tiers=[64, 128, 256], online=Online(ema=0.2, hysteresis=0.05), rows=[
+        policy = make_policy([64, 128, 256], [
             Row((1, 4), 7, 20, tier=64, gain=2.01), Row((5, 16), 4, 48, tier=64, gain=1.61),
-            Row((17, 32), 2, 48, tier=128, gain=1.12), Row((33, 64), 0, 0, tier=64, gain=1.0)])
-    return Table(
-        schema=SCHEMA,
+            Row((17, 32), 2, 48, tier=128, gain=1.12), Row((33, 64), 0, 0, tier=64, gain=1.0)],
+            ema=0.2, hysteresis=0.05)
+    return make_profile(
+        params, w,
         hardware=Hardware(gpu="NVIDIA H200", capability="9.0", driver="580.159.04", power_limit_w=700),
         software=Software(spectune="0.1.0", torch="2.11.0", triton="3.6.0"),
-        workload=w,
-        costs=Costs(model=params, error=CostError(held_out=6, median_rel=0.021, max_rel=0.06),
-                    capture=[CapturePoint(64, 1.2, 310.0), CapturePoint(128, 1.3, 420.0), CapturePoint(256, 1.5, 610.0)],
-                    points=points),
+        error=CostError(held_out=6, median_rel=0.021, max_rel=0.06),
+        capture=[CapturePoint(64, 1.2, 310.0), CapturePoint(128, 1.3, 420.0), CapturePoint(256, 1.5, 610.0)],
+        points=points,
         policy=policy,
     )
 

@@ -6,28 +6,13 @@ from spectune.autotune.tuner import tune_table
 from spectune.cli import main
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Planner
-from spectune.runtime.table import (
-    SCHEMA,
-    CapturePoint,
-    CostError,
-    CostModelParams,
-    Costs,
-    DrafterCost,
-    Hardware,
-    OverheadCost,
-    PowerModel,
-    Software,
-    Table,
-    TargetCost,
-    Workload,
-    read_table,
-    write_table,
-)
+from spectune.runtime.table import CapturePoint, read_table, write_table
+from tests.tables import make_params, make_profile, make_workload
 
 # free up to 40 step tokens, then 1 ms per token; drafts past position 4 are never accepted:
 # the best K is 4 while 5b <= 40 (b <= 8) and plain decoding from b = 64
-KNEE = CostModelParams(TargetCost(10.0, 0.0, 40, 1.0, 0.0), DrafterCost(0.0, 0.5, 0.0),
-                       OverheadCost(0.0, 0.0), PowerModel(100.0, 300.0, 64))
+KNEE = make_params((10.0, 0.0, 40, 1.0, 0.0), (0.0, 0.5, 0.0), (0.0, 0.0), (100.0, 300.0, 64))
+SMALL = make_params((2.0, 0.01, 64, 0.05, 5.0), (0.02, 0.2, 0.002), (0.05, 0.0))
 ACC = AcceptanceModel.from_survival([0.9, 0.8, 0.7, 0.6, 0.0, 0.0], max_k=6, source="test")
 CAPTURE = [CapturePoint(1, 0.1, 10.0), CapturePoint(64, 0.2, 30.0), CapturePoint(448, 0.6, 120.0)]
 
@@ -85,16 +70,13 @@ def test_pareto_front():
     assert res.front and res.policy.objective == "pareto"
 
 
-def _profile(params, max_batch, max_k, policy=None) -> Table:
-    return Table(SCHEMA, Hardware("cpu"), Software("0.1.0", "2.13"),
-                 Workload("tiny", "eagle-1l", "autoregressive", 1, "float32", 256, max_k, max_batch, "cpu"),
-                 Costs(params, CostError(1, 0.0, 0.0), timer="wall-clock", capture=CAPTURE), policy=policy)
+def _profile(params, max_batch, max_k, policy=None):
+    w = make_workload(max_k, max_batch, target="tiny", dtype="float32", context_len=256, device="cpu")
+    return make_profile(params, w, timer="wall-clock", capture=CAPTURE, policy=policy)
 
 
 def test_tune_table_cpu_default(tmp_path):
-    params = CostModelParams(TargetCost(2.0, 0.01, 64, 0.05, 5.0), DrafterCost(0.02, 0.2, 0.002),
-                             OverheadCost(0.05, 0.0), None)
-    table = tune_table(_profile(params, 16, 7), None, trials=10)
+    table = tune_table(_profile(SMALL, 16, 7), None, trials=10)
     assert table.policy is not None and table.acceptance is not None
     assert AcceptanceModel.from_dict(table.acceptance).max_k == 7
     write_table(table, tmp_path / "p.yaml")
@@ -113,8 +95,6 @@ def test_cli_tune(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and "acceptance" in err
 
 
-SMALL = CostModelParams(TargetCost(2.0, 0.01, 64, 0.05, 5.0), DrafterCost(0.02, 0.2, 0.002),
-                        OverheadCost(0.05, 0.0), None)
 HETERO = AcceptanceModel.mixture_with_same_mean([0.78, 0.58, 0.43, 0.31, 0.21, 0.14, 0.1], max_k=7, spread=0.9)
 
 

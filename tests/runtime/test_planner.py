@@ -4,40 +4,22 @@ import pytest
 
 from spectune.runtime.planner import Plan, Planner, PolicyMismatch, PolicyMismatchWarning, load
 from spectune.runtime.schema import TableError
-from spectune.runtime.table import (
-    SCHEMA,
-    CostError,
-    CostModelParams,
-    Costs,
-    DrafterCost,
-    Hardware,
-    Online,
-    OverheadCost,
-    Policy,
-    Row,
-    Software,
-    Table,
-    TargetCost,
-    Workload,
-    write_table,
-)
+from spectune.runtime.table import Row, write_table
+from tests.tables import make_params, make_policy, make_profile, make_workload
 
 TIERS = [4, 8, 16, 32, 64]
 
 
-def make_table(rows=None, tiers=TIERS, online=None, policy=True) -> Table:
-    params = CostModelParams(TargetCost(5.0, 0.01, 512, 0.0, 20.0), DrafterCost(0.0, 0.4, 0.001),
-                             OverheadCost(0.05, 0.0))
+def make_table(rows=None, tiers=TIERS, policy=True, **online):  # online: Online fields over the defaults
+    params = make_params((5.0, 0.01, 512, 0.0, 20.0), (0.0, 0.4, 0.001), (0.05, 0.0))
     rows = rows or [
         Row((1, 4), 4, 4, tier=8, budget_mode="fill-tier"),  # budget(b) = min(4b, 8 - b)
         Row((5, 8), 2, 12),  # fixed: min(2b, 12)
         Row((9, 16), 0, 0),
     ]
-    online = online or Online(ema=0.3, hysteresis=0.05, min_k=1, max_k=6, prior=[0.8] * 6)
-    pol = Policy(tiers=list(tiers), rows=rows, online=online) if policy else None
-    return Table(SCHEMA, Hardware("NVIDIA H200"), Software("0.1.0", "2.13"),
-                 Workload("t", "eagle-1l", "autoregressive", 1, "bfloat16", 1024, 6, 16),
-                 Costs(params, CostError(1, 0.0, 0.0)), policy=pol)
+    online = dict(ema=0.3, hysteresis=0.05, min_k=1, max_k=6, prior=[0.8] * 6) | online
+    return make_profile(params, make_workload(6, 16, target="t", context_len=1024), hardware="NVIDIA H200",
+                        policy=make_policy(tiers, rows, **online) if policy else None)
 
 
 @pytest.mark.parametrize("b, expect", [
@@ -92,8 +74,7 @@ def step(p: Planner, b: int, rate: float, n: int) -> Plan:
 def test_observe_lowers_k_on_collapse_and_recovers():
     table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)],
                        tiers=[2, 4, 8, 16, 24, 32, 40],
-                       online=Online(ema=0.3, hysteresis=0.05, min_k=1, max_k=6, prior=[0.8] * 6,
-                                     min_evidence=16))
+                       min_evidence=16)
     p = Planner(table)
     assert p.plan(8).k == 4
     low = step(p, 8, 0.1, 60)
@@ -115,8 +96,7 @@ def test_observe_respects_captured_tiers():
 def test_too_little_evidence_keeps_the_table_k():
     # one request's counters (b = 1, ema 0.05: ~20 tested first drafts) never move K
     table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=[2, 4, 8, 16, 24, 32, 40],
-                       online=Online(ema=0.05, hysteresis=0.05, min_k=1, max_k=6, prior=[0.8] * 6,
-                                     min_evidence=64))
+                       ema=0.05, min_evidence=64)
     p = Planner(table)
     assert step(p, 1, 0.05, 300).k == 4 and p.evidence < 64 and p.drift < 0.2
     assert step(p, 8, 0.05, 300).k < 4 and p.evidence >= 64
@@ -124,6 +104,5 @@ def test_too_little_evidence_keeps_the_table_k():
 
 def test_stationary_counters_keep_the_table_k():
     p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=[2, 4, 8, 16, 24, 32, 40],
-                           online=Online(ema=0.1, hysteresis=0.1, min_k=1, max_k=6, prior=[0.8] * 6,
-                                         min_evidence=16)))
+                           ema=0.1, hysteresis=0.1, min_evidence=16))
     assert step(p, 8, 0.8, 200).k == 4 and p.drift == pytest.approx(1.0)

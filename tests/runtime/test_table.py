@@ -3,11 +3,9 @@ import yaml
 
 from spectune.runtime.schema import TableError, to_dict
 from spectune.runtime.table import (
-    SCHEMA,
     CapturePoint,
     CostError,
     CostModelParams,
-    Costs,
     DrafterCost,
     Hardware,
     Online,
@@ -17,38 +15,33 @@ from spectune.runtime.table import (
     PowerModel,
     Row,
     Software,
-    Table,
     TargetCost,
-    Workload,
     read_table,
     table_from_dict,
     table_to_yaml,
     write_table,
 )
+from tests.tables import make_profile, make_workload
 
 
-def full_table() -> Table:
-    return Table(
-        schema=SCHEMA,
+def full_table():
+    return make_profile(
+        CostModelParams(
+            target=TargetCost(5.1, 0.002, 142.0, 0.023, 32.3, kv_verify_ms_per_mtok=1.5),
+            drafter=DrafterCost(0.01, 0.42, 0.003),
+            overhead=OverheadCost(0.05, 0.0004, source="pack-kernel"),
+            power=PowerModel(idle_w=120.0, busy_w=650.0, saturate_tokens=512.0),
+        ),
+        make_workload(max_k=15, max_batch=256),  # qwen3-8b, eagle-1l autoregressive, bfloat16, 2048 context
         hardware=Hardware(gpu="NVIDIA H200", capability="9.0", driver="580.159.04", memory_gib=139.8,
                           power_limit_w=700.0, sm_count=132),
         software=Software(spectune="0.1.0", torch="2.11.0", triton="3.6.0", python="3.11.7", cuda="13.0"),
-        workload=Workload(target="qwen3-8b", drafter="eagle-1l", drafter_kind="autoregressive", drafter_layers=1,
-                          dtype="bfloat16", context_len=2048, max_k=15, max_batch=256),
-        costs=Costs(
-            model=CostModelParams(
-                target=TargetCost(5.1, 0.002, 142.0, 0.023, 32.3, kv_verify_ms_per_mtok=1.5),
-                drafter=DrafterCost(0.01, 0.42, 0.003),
-                overhead=OverheadCost(0.05, 0.0004, source="pack-kernel"),
-                power=PowerModel(idle_w=120.0, busy_w=650.0, saturate_tokens=512.0),
-            ),
-            error=CostError(held_out=12, median_rel=0.021, max_rel=0.07),
-            capture=[CapturePoint(tokens=16, seconds=0.4, mib=12.0), CapturePoint(tokens=512, seconds=0.9, mib=80.0)],
-            points=[Point(kind="target", batch=4, tokens=8, ms=5.9, q=2, joules=0.1, power_w=300.0,
-                          sm_clock_mhz=1980, throttle=0),
-                    Point(kind="drafter", batch=256, tokens=3840, ms=None, k=15, held_out=True)],
-            measurements="h200.csv",
-        ),
+        error=CostError(held_out=12, median_rel=0.021, max_rel=0.07),
+        capture=[CapturePoint(tokens=16, seconds=0.4, mib=12.0), CapturePoint(tokens=512, seconds=0.9, mib=80.0)],
+        points=[Point(kind="target", batch=4, tokens=8, ms=5.9, q=2, joules=0.1, power_w=300.0,
+                      sm_clock_mhz=1980, throttle=0),
+                Point(kind="drafter", batch=256, tokens=3840, ms=None, k=15, held_out=True)],
+        measurements="h200.csv",
         acceptance={"source": "curve:0.8,0.6", "mean_len": 2.4},
         policy=Policy(
             tiers=[16, 64, 512],
