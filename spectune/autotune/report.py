@@ -40,7 +40,8 @@ from spectune.autotune.report_render import (
 
 __all__ = [
     "BenchRow", "Inputs", "Report", "ReportError", "ResultSet", "TableInput", "ab_table", "build_report",
-    "exactness_table", "load_inputs", "make_report", "prediction_table", "read_results", "result_warnings",
+    "exactness_table", "load_inputs", "make_report", "prediction_table", "rate_field", "read_results",
+    "result_warnings",
     "table_warnings", "write_report",
 ]
 
@@ -58,7 +59,18 @@ def auto_arm(arms: Sequence[str]) -> str | None:
     return next((a for a in arms if a.startswith("auto")), None)
 
 
-def ab_table(rs: ResultSet) -> TableBlock:
+RATE_CAPTION = {
+    "output_tok_s": "output tok/s (end to end: prefill, admission and decode)",
+    "decode_tok_s": "decode tok/s (tokens of decode/verify steps over their time; prefill left out)",
+}
+
+
+def rate_field(rs: ResultSet) -> str:
+    """The throughput speculation changes: decode tok/s where every row has it, else output tok/s."""
+    return "decode_tok_s" if rs.rows and all(r.decode_tok_s is not None for r in rs.rows) else "output_tok_s"
+
+
+def ab_table(rs: ResultSet, field: str = "output_tok_s") -> TableBlock:
     """Rows = concurrency, columns = arms (tok/s, best of the row in bold), then auto ratios."""
     arms = rs.arms
     auto = auto_arm(arms)
@@ -70,7 +82,7 @@ def ab_table(rs: ResultSet) -> TableBlock:
         head.append(f"{auto} / plain")
     rows = []
     for c in rs.concurrencies:
-        vals = {a: r.output_tok_s for a in arms if (r := rs.get(c, a)) is not None}
+        vals = {a: float(getattr(r, field)) for a in arms if (r := rs.get(c, a)) is not None}
         top = max(vals.values())
         cells = [(str(c), False)] + [(f"{vals[a]:.1f}", vals[a] == top) if a in vals else (MISSING, False)
                                      for a in arms]
@@ -81,7 +93,7 @@ def ab_table(rs: ResultSet) -> TableBlock:
         if auto and "plain" in arms:
             cells.append((_ratio(mine, vals.get("plain")), False))
         rows.append(cells)
-    return TableBlock(tuple(head), tuple(tuple(r) for r in rows), "cells: output tok/s, best of each row in bold")
+    return TableBlock(tuple(head), tuple(tuple(r) for r in rows), f"cells: {RATE_CAPTION[field]}, best of each row in bold")
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -109,17 +121,20 @@ def prediction_table(rs: ResultSet) -> tuple[TableBlock, str] | None:
     if not rows:
         return None
     cells, errs = [], []
+    field = rate_field(rs)
     for r in rows:
         pred = float(r.predicted_tok_s or 0.0)
-        err = (pred / r.output_tok_s - 1) * 100 if r.output_tok_s > 0 else None
+        measured = float(getattr(r, field))
+        err = (pred / measured - 1) * 100 if measured > 0 else None
         errs += [] if err is None else [abs(err)]
-        cells.append(((str(r.concurrency), False), (r.arm, False), (f"{r.output_tok_s:.1f}", False),
+        cells.append(((str(r.concurrency), False), (r.arm, False), (f"{measured:.1f}", False),
                       (f"{pred:.1f}", False), (MISSING if err is None else f"{err:+.1f}%", False)))
     absv = sorted(errs)
     summary = (f"Simulator error over {len(errs)} points: median {absv[len(absv) // 2]:.1f}%, "
                f"max {absv[-1]:.1f}% (predicted / measured - 1)." if absv else "")
-    return TableBlock(("concurrency", "arm", "measured tok/s", "predicted tok/s", "error"), tuple(cells),
-                      "simulator predicted vs measured goodput"), summary
+    return TableBlock(("concurrency", "arm", f"measured {field.removesuffix('_s').replace('_', ' ')}/s",
+                       "predicted tok/s", "error"), tuple(cells),
+                      f"simulator predicted vs measured {RATE_CAPTION[field]}"), summary
 
 
 def k_share_table(rs: ResultSet) -> TableBlock | None:
@@ -179,6 +194,9 @@ def _result_blocks(rs: ResultSet, images: dict[str, bytes]) -> list[Block]:
         blocks.append(Bullets(tuple(rs.header.items())))
     warns = result_warnings(rs)
     blocks += [WarningBlock(w) for w in warns]
+    field = rate_field(rs)
+    if field != "output_tok_s":
+        blocks += [Heading("A/B: decode tok/s", 3), ab_table(rs, field)]
     blocks += [Heading("A/B: output tok/s", 3), ab_table(rs)]
     plots = [("goodput", "Goodput vs concurrency", rp.goodput_png(rs)),
              ("power", "Power and energy per token", rp.power_png(rs)),

@@ -59,14 +59,15 @@ def _series(rs: ResultSet, arm: str, name: str) -> tuple[list[int], list[float]]
 def goodput_png(rs: ResultSet) -> bytes:
     fig, (ax,) = _figure(1, width=6.5)
     colors = _colors(rs.arms)
+    field = "decode_tok_s" if rs.rows and all(r.decode_tok_s is not None for r in rs.rows) else "output_tok_s"
     for arm in rs.arms:
-        xs, ys = _series(rs, arm, "output_tok_s")
+        xs, ys = _series(rs, arm, field)
         ax.plot(xs, ys, marker="o", color=colors[arm], label=arm)
         px, py = _series(rs, arm, "predicted_tok_s")
         if px:
             ax.plot(px, py, linestyle=":", marker="x", color=colors[arm], label=f"{arm} (simulated)")
     _log2_x(ax, rs.concurrencies)
-    ax.set(xlabel="concurrency", ylabel="output tok/s", title=rs.name)
+    ax.set(xlabel="concurrency", ylabel=field.replace("_tok_s", " tok/s"), title=rs.name)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _png(fig)

@@ -16,6 +16,7 @@ from spectune.autotune.report import (
     exactness_table,
     load_inputs,
     prediction_table,
+    rate_field,
     table_warnings,
     write_report,
 )
@@ -164,6 +165,17 @@ def test_ab_table_ties_missing_cells_and_no_plain():
     assert t.head == ("concurrency", "fixed:3", "fixed:12", "auto", "auto / best other")  # K sorts numerically
     assert t.rows[0] == (("2", False), ("10.0", True), ("–", False), ("10.0", True), ("1.000x", False))
     assert t.rows[1] == (("8", False), ("–", False), ("40.0", True), ("30.0", False), ("0.750x", False))
+
+
+def test_decode_throughput_is_compared_when_every_row_has_it():
+    rows = [{"concurrency": 1, "arm": "plain", "output_tok_s": 5.0, "decode_tok_s": 6.0},
+            {"concurrency": 1, "arm": "auto", "output_tok_s": 4.0, "decode_tok_s": 12.0}]
+    rs = _rs(rows)
+    assert rate_field(rs) == "decode_tok_s"
+    t = ab_table(rs, rate_field(rs))
+    assert t.rows[0] == (("1", False), ("6.0", False), ("12.0", True), ("2.000x", False), ("2.000x", False))
+    assert "decode tok/s" in t.caption
+    assert rate_field(_rs([rows[0], {"concurrency": 1, "arm": "auto", "output_tok_s": 4.0}])) == "output_tok_s"
 
 
 def test_ab_table_without_auto_has_no_ratios():
