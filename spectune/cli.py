@@ -154,6 +154,12 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pareto", action="store_true", help="multi-objective study; prints the Pareto front")
     p.add_argument("--max-batch", type=int, default=None, help="largest batch size covered (default: the profile's)")
+    p.add_argument("--smooth", type=float, default=0.005,
+                   help="K schedule smoothing: fewest K changes such that no batch size loses more than this "
+                        "fraction of its predicted goodput (0 = off; default 0.005)")
+    p.add_argument("--search-online", action="store_true",
+                   help="pick the online correction (EMA weight, hysteresis, min evidence) from a small grid by "
+                        "simulated goodput under acceptance drift x0.6 / x1.2 and stationary traffic")
     p.set_defaults(func=cmd_tune)
 
 
@@ -163,10 +169,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise UsageError("--trials must be >= 1")
+    if not 0.0 <= args.smooth < 1.0:
+        raise UsageError("--smooth must be in [0, 1)")
     res = tune(read_table(args.profile), args.acceptance, objective=args.objective,
                capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
                latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
-               pareto=args.pareto, max_batch=args.max_batch)
+               pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online)
     write_table(res.table, args.out)
     s = res.search
     print(f"acceptance: {res.acceptance.source}")
@@ -179,6 +187,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"{row.gain or 0:>8.3f}x {vs_fixed:>13.3f}x")
     print(f"tiers: {s.policy.tiers}  capture: {s.capture_mib:.0f} MiB, {s.capture_seconds:.1f} s  "
           f"K=0 from batch {s.k0_cutoff}  trials: {s.trials}")
+    print(f"smoothing {args.smooth:g}: {s.raw_rows} -> {len(s.policy.rows)} rows, "
+          f"worst per-batch predicted loss {s.smooth_loss:.2%}")
+    if res.online is not None:
+        o = res.online
+        drift = "  ".join(f"x{sc:g}@{b}: {r:.3f}" for (sc, b), r in sorted(o.ratios.items()))
+        print(f"online: ema {o.ema:g}, hysteresis {o.hysteresis:g}, min_evidence {o.min_evidence:g} "
+              f"({o.evaluated} settings simulated); goodput / table alone: {drift}")
     if s.front:
         print("pareto front (gain vs plain, J/token vs plain, step ms vs plain):")
         for f in s.front:

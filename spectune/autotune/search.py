@@ -10,17 +10,23 @@ Structure (an outer Optuna study, an inner enumeration):
   and seconds budgets); for a tier set, each b independently picks its best candidate (its own
   operating point). The study starts from two enqueued tier sets: all tiers (when they fit the
   budgets) and a greedy value-per-cost set.
-- Rows: adjacent batch sizes with the same (K, tier) merge into one ``fill-tier`` row (budget at b
-  is min(b*K, tier - b)); adjacent K = 0 batch sizes merge into one plain row. The K = 0 cut-off
-  is therefore derived: every b whose best step does not beat plain decoding gets K = 0.
+- Smoothing (``smooth_choices``, tolerance ``smooth``, default 0.5 %): the per-b optimum flips K
+  (e.g. 2/3) where the packed tokens of one K land just under a tier and the other's just over;
+  engines that pad to their own graph sizes see that as noise. Batch sizes are regrouped into the
+  fewest runs of one K such that no b loses more than the tolerance of its predicted optimum.
+- Rows: adjacent batch sizes with one K that verify their full b*K drafts in the smallest tier
+  holding them merge into one ``fixed`` row; others with the same (K, tier) merge into one
+  ``fill-tier`` row (budget at b is min(b*K, tier - b)); adjacent K = 0 batch sizes merge into one
+  plain row. The K = 0 cut-off is derived: every b whose best step does not beat plain decoding
+  gets K = 0. Row.gain is recomputed from the smoothed steps.
 
 Objectives (per b, then averaged over b against the all-tiers optimum):
   goodput: tokens/s;  energy: tokens/J;  latency: tokens/s subject to step ms <= bound (a step's
   ms bounds every inter-token latency of that step, so it is a safe p99 proxy).
 ``pareto``: NSGA-II over the tier set, an energy weight and a step-ms cap; objectives mean gain
 vs plain (max), mean J/token vs plain (min), mean step ms vs plain (min, p99 proxy).
-Online correction settings are defaults (``DEFAULT_ONLINE``), not searched; the online prior is
-the in-flight mean curve (``live_prior``).
+Online correction settings start at ``DEFAULT_ONLINE`` (``tuner.search_online`` picks them by
+simulated drift when asked); the online prior is the in-flight mean curve (``live_prior``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from spectune.runtime.table import CapturePoint, Online, Policy, Row
 
 Objective = Literal["goodput", "energy", "latency"]
 DEFAULT_ONLINE = {"ema": 0.05, "hysteresis": 0.1, "min_k": 1, "min_evidence": 256.0}
+# smoothing tolerance: a run of batch sizes takes its neighbour's K when that costs less than this
+# fraction of predicted goodput at every batch size of the run (see ``smooth_choices``)
+DEFAULT_SMOOTH = 0.005
 
 
 class SearchError(SpectuneError):
@@ -125,8 +134,12 @@ class OperatingGrid:
                 for t_i, bud, e in zip(keep, budgets, tk, strict=True):
                     t = int(tiers[t_i])
                     m = step_ms(cost, b, k, t)
-                    ks.append(k), bs.append(int(bud)), ts.append(int(t_i)), tok.append(float(e))
-                    ms.append(m), js.append(joule(t, m))
+                    ks.append(k)
+                    bs.append(int(bud))
+                    ts.append(int(t_i))
+                    tok.append(float(e))
+                    ms.append(m)
+                    js.append(joule(t, m))
                 exact = b * (k + 1)
                 m_exact = step_ms(cost, b, k, exact)
                 g.fixed_tok_s[b - 1, k] = float(expected_tokens(mix, b, k, [b * k], inflight=True)[0]) / m_exact * 1000
@@ -157,57 +170,141 @@ class Choice:
     gain_vs_fixed: float  # vs the best of plain and fixed K = 1..max_k (exact graphs)
 
 
+def candidate_values(grid: OperatingGrid, i: int, mask: np.ndarray, *, objective: Objective = "goodput",
+                     latency_bound_ms: float | None = None, energy_weight: float | None = None) -> np.ndarray:
+    """What each candidate of batch b = i + 1 is worth [n_cand] (higher is better, a ratio scale:
+    tokens/s, tokens/J, or their weighted geometric mean); 0 where its tier is not in ``mask`` or
+    it breaks the latency bound."""
+    ok = mask[grid.tier_idx[i]]
+    if latency_bound_ms is not None:
+        within = ok & (grid.ms[i] <= latency_bound_ms)
+        ok = within if within.any() else ok & (grid.k[i] == 0)
+    tok_s = grid.tokens[i] / grid.ms[i]
+    if energy_weight is not None:
+        value = tok_s ** (1 - energy_weight) * (grid.tokens[i] / grid.joules[i]) ** energy_weight
+    elif objective == "energy":
+        value = grid.tokens[i] / grid.joules[i]
+    else:
+        value = tok_s
+    return np.where(ok, value, 0.0)
+
+
+def _choice(grid: OperatingGrid, i: int, j: int) -> Choice:
+    """Candidate j of batch b = i + 1 as a Choice."""
+    tps = float(grid.tokens[i][j] / grid.ms[i][j]) * 1000
+    jt = float(grid.joules[i][j] / grid.tokens[i][j])
+    return Choice(i + 1, int(grid.k[i][j]), int(grid.budget[i][j]), grid.universe[grid.tier_idx[i][j]],
+                  tps, float(grid.ms[i][j]), None if math.isnan(jt) else jt,
+                  tps / float(grid.plain_tok_s[i]), tps / float(grid.fixed_tok_s[i].max()))
+
+
+def _best(value: np.ndarray, ks: np.ndarray) -> int:
+    # prefer plain decoding on ties (no drafter to run)
+    return int(np.argmax(np.where(value > 0, value - 1e-12 * value * (ks > 0), -np.inf)))
+
+
 def choose(grid: OperatingGrid, mask: np.ndarray, *, objective: Objective = "goodput",
            latency_bound_ms: float | None = None, energy_weight: float | None = None) -> list[Choice] | None:
     """Best candidate per batch size among the tiers in ``mask``; None if some b has none."""
     out = []
     for i in range(grid.max_batch):
-        ok = mask[grid.tier_idx[i]]
-        if latency_bound_ms is not None:
-            within = ok & (grid.ms[i] <= latency_bound_ms)
-            ok = within if within.any() else ok & (grid.k[i] == 0)
-        if not ok.any():
+        value = candidate_values(grid, i, mask, objective=objective, latency_bound_ms=latency_bound_ms,
+                                 energy_weight=energy_weight)
+        if not (value > 0).any():
             return None
-        tok_s = grid.tokens[i] / grid.ms[i]
-        if energy_weight is not None:
-            score = (1 - energy_weight) * np.log(tok_s) + energy_weight * np.log(grid.tokens[i] / grid.joules[i])
-        elif objective == "energy":
-            score = grid.tokens[i] / grid.joules[i]
-        else:
-            score = tok_s
-        # prefer plain decoding on ties (no drafter to run)
-        score = np.where(ok, score - 1e-12 * np.abs(score) * (grid.k[i] > 0), -np.inf)
-        j = int(np.argmax(score))
-        b = i + 1
-        tps = float(tok_s[j]) * 1000
-        jt = float(grid.joules[i][j] / grid.tokens[i][j])
-        out.append(Choice(b, int(grid.k[i][j]), int(grid.budget[i][j]), grid.universe[grid.tier_idx[i][j]],
-                          tps, float(grid.ms[i][j]), None if math.isnan(jt) else jt,
-                          tps / grid.plain_tok_s[i], tps / float(grid.fixed_tok_s[i].max())))
+        out.append(_choice(grid, i, _best(value, grid.k[i])))
     return out
+
+
+def smooth_choices(grid: OperatingGrid, mask: np.ndarray, choices: list[Choice], tolerance: float, *,
+                   objective: Objective = "goodput", latency_bound_ms: float | None = None,
+                   energy_weight: float | None = None) -> tuple[list[Choice], float]:
+    """Fewest K changes over batch size within a loss tolerance: (smoothed choices, worst
+    per-batch relative loss vs the unsmoothed optimum).
+
+    K is *allowed* at batch b when the best step with that K (same tier set) is worth at least
+    ``1 - tolerance`` of b's optimum; a b whose optimum is plain decoding allows only K = 0 (a
+    speculative step there would fall below plain decoding). Scanning b upwards, a run goes on
+    while some K is allowed at every b of it (this greedy gives the fewest runs), and takes the K
+    allowed throughout with the highest summed worth. Every b therefore loses at most
+    ``tolerance``, whatever merges happened around it.
+    """
+    if tolerance <= 0 or len(choices) < 2:
+        return choices, 0.0
+    values = [candidate_values(grid, i, mask, objective=objective, latency_bound_ms=latency_bound_ms,
+                               energy_weight=energy_weight) for i in range(grid.max_batch)]  # per b: [n_cand]
+    ks = np.arange(int(max(k.max() for k in grid.k)) + 1)
+    # worth[i, k]: best value with K = k at b = i + 1 over b's optimum (0 where K = k has no step)
+    worth = np.array([[np.where(grid.k[i] == k, v, 0.0).max() for k in ks] / v.max()
+                      for i, v in enumerate(values)])
+    allowed = worth >= 1.0 - tolerance  # [max_batch, K + 1]
+    for i, c in enumerate(choices):
+        if c.k == 0:
+            allowed[i] = ks == 0
+    out: list[Choice] = []
+    lo = 0
+    while lo < len(choices):
+        run = allowed[lo].copy()
+        hi = lo + 1
+        while hi < len(choices) and (run & allowed[hi]).any():
+            run &= allowed[hi]
+            hi += 1
+        k = int(np.argmax(np.where(run, worth[lo:hi].sum(0), -1.0)))
+        for i in range(lo, hi):
+            c = choices[i]
+            out.append(c if c.k == k else _choice(grid, i, _best(np.where(grid.k[i] == k, values[i], 0.0), grid.k[i])))
+        lo = hi
+    loss = max(1.0 - float(values[i][_index_of(grid, i, c)] / values[i].max()) for i, c in enumerate(out))
+    return out, max(0.0, loss)
+
+
+def _index_of(grid: OperatingGrid, i: int, c: Choice) -> int:
+    tier = grid.universe.index(c.tier)
+    hit = (grid.k[i] == c.k) & (grid.budget[i] == c.budget) & (grid.tier_idx[i] == tier)
+    return int(np.nonzero(hit)[0][0])
 
 
 def _score(choices: list[Choice], ideal: list[Choice], objective: Objective) -> float:
     if objective == "energy":
-        return float(np.mean([c_i.joules_per_token / c.joules_per_token  # type: ignore[operator]
+        return float(np.mean([_ratio(c_i.joules_per_token, c.joules_per_token)
                               for c, c_i in zip(choices, ideal, strict=True)]))
     return float(np.mean([c.tok_s / c_i.tok_s for c, c_i in zip(choices, ideal, strict=True)]))
 
 
-def rows_from_choices(choices: list[Choice]) -> list[Row]:
-    rows: list[Row] = []
-    groups: list[list[Choice]] = []
-    for c in choices:
-        last = groups[-1][-1] if groups else None
-        if last is not None and last.k == c.k and (c.k == 0 or last.tier == c.tier):
-            groups[-1].append(c)
+def _ratio(num: float | None, den: float | None) -> float:
+    if num is None or den is None:
+        raise SearchError("costs.model.power: missing, needed for the energy objective")
+    return num / den
+
+
+def rows_from_choices(choices: list[Choice], tiers: Sequence[int] | None = None) -> list[Row]:
+    """Adjacent batch sizes -> rows: K = 0 runs merge into one plain row; with ``tiers`` (the
+    captured set), runs of one K whose every step verifies the full b*K drafts in the smallest
+    tier that holds them become one ``fixed`` row (budget b*K at every b); the rest merge by
+    (K, tier) into ``fill-tier`` rows. Row.gain is the mean of the choices' gains."""
+
+    def keys(c: Choice) -> set[tuple[int, int | None]]:  # row shapes that reproduce c: (K, tier | None)
+        if c.k == 0:
+            return {(0, None)}
+        full = tiers is not None and c.budget == c.batch * c.k and c.tier == smallest_tier(tiers, c.batch * (c.k + 1))
+        return {(c.k, c.tier), (c.k, None)} if full else {(c.k, c.tier)}
+
+    groups: list[tuple[list[Choice], set[tuple[int, int | None]]]] = []
+    for c in choices:  # fewest rows: a row goes on while some shape reproduces all its choices
+        common = groups[-1][1] & keys(c) if groups else set()
+        if common:
+            groups[-1][0].append(c)
+            groups[-1] = (groups[-1][0], common)
         else:
-            groups.append([c])
-    for grp in groups:
+            groups.append(([c], keys(c)))
+    rows: list[Row] = []
+    for grp, shapes in groups:
         lo, hi, top = grp[0].batch, grp[-1].batch, grp[-1]
         gain = round(float(np.mean([c.gain for c in grp])), 4)
         if top.k == 0:
             rows.append(Row((lo, hi), 0, 0, tier=top.tier, gain=gain))
+        elif (top.k, None) in shapes:
+            rows.append(Row((lo, hi), top.k, hi * top.k, tier=top.tier, gain=gain))
         else:
             rows.append(Row((lo, hi), top.k, top.budget, tier=top.tier, gain=gain, budget_mode="fill-tier"))
     return rows
@@ -231,6 +328,8 @@ class SearchResult:
     k0_cutoff: int  # smallest batch from which K = 0 throughout (max_batch + 1: none)
     trials: int
     front: list[FrontPoint]
+    smooth_loss: float = 0.0  # worst per-batch relative loss of smoothing vs the unsmoothed choices
+    raw_rows: int = 0  # rows before smoothing
 
 
 @dataclass(frozen=True)
@@ -274,7 +373,10 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
                   capture: Sequence[CapturePoint] = (), objective: Objective = "goodput",
                   capture_budget_mib: float | None = None, capture_seconds: float | None = None,
                   latency_bound_ms: float | None = None, trials: int = 40, seed: int = 0,
-                  pareto: bool = False, grid: OperatingGrid | None = None) -> SearchResult:
+                  pareto: bool = False, grid: OperatingGrid | None = None,
+                  smooth: float = DEFAULT_SMOOTH) -> SearchResult:
+    if not 0.0 <= smooth < 1.0:
+        raise SearchError(f"smooth: must be in [0, 1), got {smooth}")
     if objective not in ("goodput", "energy", "latency"):
         raise SearchError(f"objective must be goodput, energy or latency, got {objective!r}")
     if objective == "latency" and latency_bound_ms is None:
@@ -290,7 +392,10 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
     grid = grid or OperatingGrid.build(cost, acceptance, max_batch=max_batch, max_k=max_k)
     uni = grid.universe
     mib, sec = capture_costs(capture, uni)
-    required = uni.index(smallest_tier(uni, max_batch))  # plain decoding at max_batch must fit
+    top = smallest_tier(uni, max_batch)  # plain decoding at max_batch must fit
+    if top is None:
+        raise SearchError(f"max_batch: {max_batch} exceeds the largest candidate tier {uni[-1]}")
+    required = uni.index(top)
     if budget.excess(float(mib[required]), float(sec[required])) > 0:
         raise SearchError(f"capture budget: the tier for max_batch={max_batch} alone needs "
                           f"{mib[required]:.0f} MiB / {sec[required]:.1f} s")
@@ -321,7 +426,8 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
         best_trial = max(study.best_trials, key=lambda t: t.values[0] if objective != "energy" else -t.values[1])
         mask = mask_of(optuna.trial.FixedTrial(best_trial.params))
         ew, cap = best_trial.params["energy_weight"], best_trial.params["step_cap_ms"]
-        choices = choose(grid, mask, latency_bound_ms=cap, energy_weight=ew)
+        lat: float | None = float(cap)
+        weight: float | None = float(ew)
     else:
         def objective_fn(trial: optuna.trial.Trial) -> float:
             m = mask_of(trial)
@@ -333,9 +439,12 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
             study.enqueue_trial({f"tier_{uni[i]}": bool(m[i]) for i in free})
         study.optimize(objective_fn, n_trials=max(trials, len(starts)))
         mask = mask_of(optuna.trial.FixedTrial(study.best_trial.params))
-        choices = choose(grid, mask, objective=objective, latency_bound_ms=bound)
-    if choices is None:
+        lat, weight = bound, None
+    raw = choose(grid, mask, objective=objective, latency_bound_ms=lat, energy_weight=weight)
+    if raw is None:
         raise SearchError("no feasible tier set found")
+    choices, loss = smooth_choices(grid, mask, raw, smooth, objective=objective, latency_bound_ms=lat,
+                                   energy_weight=weight)
     used = sorted({c.tier for c in choices})
     used_idx = [uni.index(t) for t in used]
     cutoff = max_batch + 1
@@ -346,10 +455,11 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
     online = Online(DEFAULT_ONLINE["ema"], DEFAULT_ONLINE["hysteresis"], min_k=int(DEFAULT_ONLINE["min_k"]),
                     max_k=max_k, prior=live_prior(acceptance, choices, max_k),
                     min_evidence=DEFAULT_ONLINE["min_evidence"])
-    policy = Policy(tiers=used, rows=rows_from_choices(choices), online=online,
+    policy = Policy(tiers=used, rows=rows_from_choices(choices, used), online=online,
                     objective="pareto" if pareto else objective)
+    raw_used = sorted({c.tier for c in raw})
     return SearchResult(policy, choices, float(mib[used_idx].sum()), float(sec[used_idx].sum()), cutoff,
-                        len(study.trials), front)
+                        len(study.trials), front, loss, len(rows_from_choices(raw, raw_used)))
 
 
 def live_prior(acceptance: AcceptanceModel, choices: list[Choice], max_k: int) -> list[float]:
@@ -377,7 +487,7 @@ def _pareto_study(grid, mask_of, mib, sec, budget, trials, seed, starts, free, u
         if excess > 0 or ch is None:
             return -excess - 1.0, 1e9, 1e9
         gain = float(np.mean([c.gain for c in ch]))
-        e = float(np.mean([c.joules_per_token / grid.plain_j_tok[c.batch - 1] for c in ch]))  # type: ignore[operator]
+        e = float(np.mean([_ratio(c.joules_per_token, float(grid.plain_j_tok[c.batch - 1])) for c in ch]))
         lat = float(np.mean([c.step_ms / grid.plain_ms[c.batch - 1] for c in ch]))
         return gain, e, lat
 

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spectune.autotune.acceptance import AcceptanceModel, default_acceptance, load_acceptance
-from spectune.autotune.search import Objective, SearchResult, search_policy
+from spectune.autotune.search import DEFAULT_SMOOTH, Objective, SearchResult, search_policy
 from spectune.autotune.simulator import FixedK, SimResult, simulate
 from spectune.runtime.costs import CostModel
-from spectune.runtime.planner import Planner
+from spectune.runtime.planner import Plan, Planner
 from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import Table
 
 DEFAULT_TRIALS = 40
+# online correction grid and drift scenarios (live acceptance = tuned-on rates x scale)
+ONLINE_GRID = {"ema": (0.02, 0.05, 0.1), "hysteresis": (0.05, 0.1, 0.2), "min_evidence": (128.0, 256.0, 512.0)}
+DRIFT_SCALES = (1.0, 0.6, 1.2)
+STATIONARY_FLOOR = 0.99  # stationary goodput with online correction >= this x the table alone
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,66 @@ class TuneResult:
     search: SearchResult
     acceptance: AcceptanceModel
     confirm: list[Confirmation]
+    online: OnlineSearch | None = None
+
+
+@dataclass(frozen=True)
+class OnlineSearch:
+    """Online-correction settings picked by simulated goodput under drift."""
+
+    ema: float
+    hysteresis: float
+    min_evidence: float
+    ratios: dict[tuple[float, int], float]  # (scale, concurrency) -> goodput / table alone
+    stationary: float  # worst stationary ratio over concurrencies
+    evaluated: int  # grid points simulated
+
+
+class _TableAlone:
+    """The planner without online correction (no ``observe``)."""
+
+    def __init__(self, table: Table):
+        self.planner = Planner(table)
+
+    def plan(self, batch_size: int) -> Plan:
+        return self.planner.plan(batch_size)
+
+
+def search_online(table: Table, acceptance: AcceptanceModel, concurrencies: Sequence[int], *,
+                  scales: Sequence[float] = DRIFT_SCALES, steps: int = 400, seed: int = 0,
+                  mean_output_tokens: float = 256.0) -> OnlineSearch:
+    """Grid search of (ema, hysteresis, min_evidence) by Monte-Carlo goodput relative to the table
+    alone, over drift ``scales`` x ``concurrencies`` (common random numbers: one seed for every
+    arm). Score: geometric mean of the ratios; a grid point whose stationary ratio (scale 1) falls
+    below STATIONARY_FLOOR at some concurrency is out. Ties keep the table's current settings."""
+    if table.policy is None:
+        raise SpectuneError("policy: missing, search_online needs a tuned table")
+    if 1.0 not in scales:
+        raise SpectuneError("scales: must include 1.0 (the stationary case)")
+    cost, policy = cost_model(table), table.policy
+
+    def goodput(fn: Planner | _TableAlone, scale: float, b: int) -> float:
+        return simulate(cost, acceptance, fn, concurrency=b, steps=steps, seed=seed, accept_scale=scale,
+                        mean_output_tokens=mean_output_tokens).goodput_tok_s
+
+    cases = [(s, b) for s in scales for b in concurrencies]
+    alone = {c: goodput(_TableAlone(table), *c) for c in cases}
+    current = (policy.online.ema, policy.online.hysteresis, policy.online.min_evidence)
+    points = [current, *(p for p in itertools.product(*ONLINE_GRID.values()) if p != current)]
+    best: OnlineSearch | None = None
+    best_score = -math.inf
+    for ema, hyst, evidence in points:
+        online = dataclasses.replace(policy.online, ema=ema, hysteresis=hyst, min_evidence=evidence)
+        trial = dataclasses.replace(table, policy=dataclasses.replace(policy, online=online))
+        ratios = {c: goodput(Planner(trial), *c) / alone[c] for c in cases}
+        stationary = min(r for (s, _), r in ratios.items() if s == 1.0)
+        score = sum(math.log(r) for r in ratios.values()) / len(ratios)
+        if stationary >= STATIONARY_FLOOR and score > best_score + 1e-9:
+            best_score = score
+            best = OnlineSearch(ema, hyst, evidence, ratios, stationary, len(points))
+    if best is None:
+        raise SpectuneError(f"policy.online: no grid point keeps stationary goodput >= {STATIONARY_FLOOR} x the table")
+    return best
 
 
 def resolve_acceptance(acceptance: str | AcceptanceModel | None, max_k: int) -> AcceptanceModel:
@@ -65,7 +132,10 @@ def confirm_policy(table: Table, acceptance: AcceptanceModel, concurrencies: lis
 def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective: Objective = "goodput",
          capture_budget_mib: float | None = None, capture_seconds: float | None = None,
          latency_bound_ms: float | None = None, trials: int = DEFAULT_TRIALS, seed: int = 0,
-         pareto: bool = False, max_batch: int | None = None, confirm: bool = False) -> TuneResult:
+         pareto: bool = False, max_batch: int | None = None, confirm: bool = False,
+         smooth: float = DEFAULT_SMOOTH, online: bool = False) -> TuneResult:
+    """Search the policy; ``online`` also picks the online-correction settings by simulated drift
+    (``search_online`` at concurrencies 1, max_batch / 4 and max_batch) and stores them."""
     w = profile.workload
     max_batch = w.max_batch if max_batch is None else max_batch
     if max_batch < 1:
@@ -76,7 +146,7 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
     result = search_policy(
         cost_model(profile), model, max_batch=max_batch, max_k=w.max_k, capture=profile.costs.capture,
         objective=objective, capture_budget_mib=capture_budget_mib, capture_seconds=capture_seconds,
-        latency_bound_ms=latency_bound_ms, trials=trials, seed=seed, pareto=pareto,
+        latency_bound_ms=latency_bound_ms, trials=trials, seed=seed, pareto=pareto, smooth=smooth,
     )
     table = dataclasses.replace(
         profile,
@@ -84,11 +154,17 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
         acceptance=model.to_dict(),
         policy=result.policy,
     )
+    picked = None
+    if online and table.policy is not None:
+        picked = search_online(table, model, sorted({1, max(1, max_batch // 4), max_batch}), seed=seed)
+        tuned = dataclasses.replace(table.policy.online, ema=picked.ema, hysteresis=picked.hysteresis,
+                                    min_evidence=picked.min_evidence)
+        table = dataclasses.replace(table, policy=dataclasses.replace(table.policy, online=tuned))
     checks = []
     if confirm:
         picks = sorted({1, max(1, max_batch // 4), max_batch})
         checks = confirm_policy(table, model, picks, seed=seed)
-    return TuneResult(table, result, model, checks)
+    return TuneResult(table, result, model, checks, picked)
 
 
 def tune_table(profile: Table, acceptance: str | AcceptanceModel | None, *, objective: Objective = "goodput",

@@ -6,6 +6,7 @@ from spectune.autotune.tuner import tune_table
 from spectune.cli import main
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Planner
+from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import CapturePoint, read_table, write_table
 from tests.tables import make_params, make_profile, make_workload
 
@@ -89,7 +90,14 @@ def test_cli_tune(tmp_path, capsys):
     out = tmp_path / "policy.yaml"
     rc = main(["tune", str(prof), "--acceptance", "curve:0.9,0.8,0.7,0.6", "--out", str(out), "--trials", "4"])
     assert rc == 0 and read_table(out).policy is not None
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "smoothing 0.005" in printed
+    rc = main(["tune", str(prof), "--acceptance", "curve:0.9,0.8", "--out", str(out), "--trials", "2",
+               "--max-batch", "2", "--search-online"])
+    assert rc == 0 and "online: ema" in capsys.readouterr().out
+    rc = main(["tune", str(prof), "--out", str(out), "--smooth", "1.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--smooth" in err
     rc = main(["tune", str(prof), "--acceptance", "nonsense", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "acceptance" in err
@@ -157,3 +165,38 @@ def test_online_correction_follows_a_collapse(hetero_table):
     assert planner.drift < 0.5 and planner.evidence >= hetero_table.policy.online.min_evidence
     assert min(online.k_hist) < min(table.k_hist)
     assert online.goodput_tok_s > table.goodput_tok_s
+
+
+def test_online_settings_searched_under_drift(hetero_table, monkeypatch, tmp_path):
+    import math
+
+    from spectune.autotune import tuner
+
+    kw = dict(scales=(1.0, 0.5), steps=250, seed=5, mean_output_tokens=64.0)
+    monkeypatch.setattr(tuner, "ONLINE_GRID", {"ema": (0.05, 0.2), "hysteresis": (0.1, 0.02), "min_evidence": (256.0, 64.0)})
+    picked = tuner.search_online(hetero_table, HETERO, [4, 16], **kw)
+    assert set(picked.ratios) == {(s, b) for s in (1.0, 0.5) for b in (4, 16)}
+    assert picked.stationary >= tuner.STATIONARY_FLOOR and picked.evaluated == 8
+    monkeypatch.setattr(tuner, "ONLINE_GRID", {"ema": (0.05,), "hysteresis": (0.1,), "min_evidence": (256.0,)})
+    current = tuner.search_online(hetero_table, HETERO, [4, 16], **kw)
+    assert current.evaluated == 1
+
+    def score(r):
+        return sum(math.log(v) for v in r.ratios.values())
+
+    assert score(picked) >= score(current) - 1e-12
+    with pytest.raises(SpectuneError, match="scales"):
+        tuner.search_online(hetero_table, HETERO, [4], scales=(0.5,))
+
+
+def test_tune_stores_searched_online_settings(tmp_path, monkeypatch):
+    from spectune.autotune import tuner
+
+    monkeypatch.setattr(tuner, "ONLINE_GRID", {"ema": (0.05, 0.2), "hysteresis": (0.1,), "min_evidence": (64.0,)})
+    res = tuner.tune(_profile(SMALL, 8, 7), HETERO, trials=2, online=True)
+    assert res.online is not None
+    on = res.table.policy.online
+    assert (on.ema, on.hysteresis, on.min_evidence) == (res.online.ema, res.online.hysteresis, res.online.min_evidence)
+    assert res.online.evaluated == 3  # the table's own settings first, then the grid
+    write_table(res.table, tmp_path / "p.yaml")
+    assert read_table(tmp_path / "p.yaml").policy.online == res.table.policy.online
