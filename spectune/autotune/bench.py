@@ -245,7 +245,7 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     from spectune.models.config import parse_drafter, resolve_target
     from spectune.models.decisive import DecisiveLogits
     from spectune.models.paged import PagedTritonAttention
-    from spectune.models.shapes import build_models, fit_cache
+    from spectune.models.shapes import build_models, fit_cache, fit_paged_cache
 
     table, cuda = planner.table, device.type == "cuda"
     args = resolve_target(config.target or (table.workload.target if cuda else "tiny"))
@@ -263,8 +263,12 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     models.target.backend = backend(args.n_layers, num_blocks, BLOCK_SIZE, args.n_kv_heads, args.head_dim,
                                     getattr(torch, dtype), device)
     parallel = spec.kind == "parallel"
-    fit_cache(models.drafter, spec.n_layers, batch=max_batch, ctx_max=max_len + max_k,
-              max_q=max(max_k, 1) if parallel else 1, causal=not parallel)
+    if cuda:  # the drafter pays what the profile measured: the same paged Triton attention
+        fit_paged_cache(models.drafter, spec.n_layers, batch=max_batch, ctx_max=max_len,
+                        max_q=max(max_k, 1), causal=not parallel)
+    else:
+        fit_cache(models.drafter, spec.n_layers, batch=max_batch, ctx_max=max_len + max_k,
+                  max_q=max(max_k, 1) if parallel else 1, causal=not parallel)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     hidden = torch.randn(max_batch, args.dim, generator=gen, device=device).to(getattr(torch, dtype))
     replay = ReplayDrafter(max_requests=n_requests, max_len=max_new, max_k=max(max_k, 1),

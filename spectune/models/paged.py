@@ -104,9 +104,14 @@ class PagedTritonAttention:
         # q: [T, H, D]; k, v: [T, Hkv, D]
         if self.released:
             raise RuntimeError("attention cache was released: a newer step replaced it")
-        tables = meta.block_tables if meta.block_tables is not None else self.block_tables
+        tables = meta.block_tables
         if tables is None:
-            raise KernelInputError("meta.block_tables", "required by the paged backend (none allocated)")
+            if self.block_tables is None:
+                raise KernelInputError("meta.block_tables", "required by the paged backend (none allocated)")
+            batch = meta.cu_seqlens_q.shape[0] - 1
+            if batch > self.block_tables.shape[0]:
+                raise KernelInputError("meta", f"{batch} requests, tables allocated for {self.block_tables.shape[0]}")
+            tables = self.block_tables[:batch]  # the first requests' tables (a smaller step)
         if meta.block_tables is None:
             meta = dataclasses.replace(meta, block_tables=tables)
         slots = meta.slot_mapping

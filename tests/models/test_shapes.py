@@ -173,3 +173,22 @@ def test_steps_replay_in_a_cuda_graph_like_eager(drafter, attention, dtype):
         refs = eager if isinstance(eager, tuple) else (eager,)
         for got, want in zip(outs, refs, strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_paged_drafter_serves_fewer_rows_than_allocated():
+    # the bench's cost drafter is allocated for the largest batch and runs smaller steps
+    from spectune.models.config import parse_drafter, resolve_target
+    from spectune.models.shapes import build_models, fit_paged_cache
+
+    args, spec = resolve_target("tiny"), parse_drafter("eagle-1l")
+    models = build_models(args, spec, device=torch.device("cpu"), dtype=torch.float32, max_batch=4,
+                          max_q=4, context_len=64, attention="triton")
+    fit_paged_cache(models.drafter, spec.n_layers, batch=4, ctx_max=64, max_q=3, causal=True)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(4, args.dim, generator=gen)
+    last = torch.randint(1, args.vocab_size, (4,), generator=gen)
+    ctx = torch.full((4,), 40, dtype=torch.int32)
+    full, _ = models.drafter.propose(hidden, last, 3, context_lens=ctx)
+    for rows in (2, 1):
+        ids, _ = models.drafter.propose(hidden[:rows], last[:rows], 3, context_lens=ctx[:rows])
+        assert torch.equal(ids, full[:rows])
