@@ -44,7 +44,7 @@ from spectune.autotune.bench_accounting import (
     predict_decode,
     ratio_minus_one,
 )
-from spectune.autotune.facts import hardware_facts, software_facts
+from spectune.autotune.facts import hardware_facts, parse_device, software_facts
 from spectune.autotune.tuner import resolve_acceptance
 from spectune.kernels.attention import MAX_BLOCK_M, verify_attention_ref
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
@@ -171,18 +171,6 @@ def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
         except BenchError as exc:
             raise BenchError(f"--arms: {exc}") from None
     return tuple(dict.fromkeys(arms))
-
-
-def _device(text: str | None) -> torch.device:
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise BenchError(f"--device: unknown device {text!r} (cuda, cuda:N or cpu)") from None
-    if dev.type not in ("cuda", "cpu") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        raise BenchError(f"--device: {text!r} is not available here (cuda, cuda:N or cpu)")
-    return dev
 
 
 def bench_tiers(policy_tiers: Sequence[int], concurrency: Sequence[int], ks: Sequence[int]) -> list[int]:
@@ -422,7 +410,7 @@ def exact_float32(device: torch.device, dtype: str) -> Iterator[bool | None]:
 def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every (concurrency, arm), write the results JSON atomically (again after every row)
     and return it."""
-    device = _device(config.device)
+    device = parse_device(config.device, BenchError)
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     concurrency = _ints(config.concurrency if config.concurrency is not None else d.concurrency,
                         "--concurrency")

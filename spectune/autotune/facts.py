@@ -7,6 +7,7 @@ import platform
 import torch
 
 from spectune import __version__
+from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import Hardware, Software
 
 
@@ -40,3 +41,18 @@ def software_facts() -> Software:
 def gpu_slug(hardware: Hardware) -> str:
     """``NVIDIA H200`` -> ``nvidia-h200`` (file and study names)."""
     return "".join(c if c.isalnum() else "-" for c in hardware.gpu.lower()).strip("-") or "gpu"
+
+
+def parse_device(text: str | None, error: type[SpectuneError]) -> torch.device:
+    """``--device``: None -> cuda if present else cpu; bad or absent devices raise ``error``."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise error(f"--device: unknown device {text!r} (cuda, cuda:N or cpu)") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise error(f"--device: {text!r} is not supported (cuda, cuda:N or cpu)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise error(f"--device: {text!r} asked for but no CUDA device is present")
+    return dev

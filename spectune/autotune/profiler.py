@@ -21,7 +21,7 @@ from typing import Any, Literal
 import pandas as pd
 import torch
 
-from spectune.autotune.facts import gpu_slug, hardware_facts, software_facts
+from spectune.autotune.facts import gpu_slug, hardware_facts, parse_device, software_facts
 from spectune.autotune.study import PointSpec, StudyPlan, StudyResult, run_study, study_name_for
 from spectune.runtime.schema import SpectuneError, atomic_write_text
 from spectune.runtime.table import (
@@ -107,7 +107,7 @@ class Resolved:
 
 def resolve(config: ProfileConfig) -> Resolved:
     """Fill defaults for the device and check every setting (before anything is built or written)."""
-    device = _resolve_device(config.device)
+    device = parse_device(config.device, ProfileError)
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     bs = config.batch_sizes if config.batch_sizes is not None else d.batch_sizes
     sizes = parse_batch_sizes(bs) if isinstance(bs, str) else tuple(sorted(set(bs)))
@@ -132,20 +132,6 @@ def resolve(config: ProfileConfig) -> Resolved:
                else Path(f"spectune-{name}-{config.drafter}.yaml"))
     storage = config.storage or str(out) + ".journal"
     return Resolved(config, device, dtype, sizes, max_k, context, trials, out, storage)
-
-
-def _resolve_device(text: str | None) -> torch.device:
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise ProfileError(f"--device: unknown device {text!r} (cuda, cuda:N or cpu)") from None
-    if dev.type not in ("cuda", "cpu"):
-        raise ProfileError(f"--device: {text!r} is not supported (cuda, cuda:N or cpu)")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ProfileError(f"--device: {text!r} asked for but no CUDA device is present")
-    return dev
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,9 +227,9 @@ def _capture(records: list[dict[str, Any]]) -> list[CapturePoint]:
 
 
 def _attention_name(device: torch.device) -> str:
-    from spectune.models.shapes import resolve_attention
+    from spectune.models.shapes import ATTENTION_NAMES, resolve_attention
 
-    return "triton_paged" if resolve_attention("auto", device) == "triton" else "torch_folded"
+    return ATTENTION_NAMES[resolve_attention("auto", device)]
 
 
 def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: str | None) -> Table:
