@@ -46,7 +46,7 @@ from spectune.autotune.bench_accounting import (
 )
 from spectune.autotune.facts import hardware_facts, parse_device, software_facts
 from spectune.autotune.tuner import resolve_acceptance
-from spectune.kernels.attention import MAX_BLOCK_M, verify_attention_ref
+from spectune.kernels.attention import verify_attention_ref
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
 from spectune.kernels.meta import AttnMeta
 from spectune.runtime.engine import KV_SLACK, Engine, Policy, Request, RunResult
@@ -265,9 +265,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     target = DecisiveLogits(models.target) if decisive_for(config, dtype) else models.target
     engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, fixed + [0]),
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
-                    device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
-                    prefill_chunk=max(1, MAX_BLOCK_M // args.group))
-    engine.warm_prefill([prompt_len], min(32, max_batch))
+                    device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False)
+    engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
     acceptance = widen(resolve_acceptance(config.acceptance or _table_acceptance(table), max(max_k, 1)),
                        max(max_k, 1))
     rng = np.random.default_rng(config.seed)

@@ -5,7 +5,8 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
   retire    requests the host knows are complete leave the batch (rows compacted on the device);
             their KV blocks go back to the free list
   admit     waiting requests take rows up to the concurrency: chunked prefill over the paged KV
-            cache (eager); the argmax at the last prompt token is the first output token
+            cache (one captured graph per token bucket, ``prefill.py``); the argmax at the last
+            prompt token is the first output token
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
   plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup)
   draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K))
@@ -24,8 +25,9 @@ when its copy lands: it rides along in one more step as a single row without dra
 Host waits per iteration, all of them: before planning step s, the copy of step s - 2 must have
 landed (``event.synchronize()``; it waits only when the host is more than one step ahead of the
 GPU, counted in ``RunResult.waits``). Admission copies prompts and block tables from pinned memory
-without waiting. On CUDA, a (rows, K) drafter graph not captured by ``prepare`` is captured when
-first needed (``RunResult.captures``), which synchronises once.
+without waiting. On CUDA, a (rows, K) drafter graph or a prefill bucket not captured by
+``prepare`` / ``warm_prefill`` is captured when first needed (``RunResult.captures``), which
+synchronises once.
 
 What a run records besides tokens (``engine_run``): per output token the top-1 minus top-2 logit
 of the forward that chose it (plain decoding and prefill; written on the device and copied with
@@ -56,9 +58,9 @@ from spectune.runtime.engine_run import (
     RunLog,
     RunResult,
     StepCopy,
-    top2_margin,
 )
 from spectune.runtime.planner import Plan
+from spectune.runtime.prefill import PrefillGraphs, schedule
 from spectune.runtime.replay_drafter import DraftGraphs, DraftInput, Proposer
 from spectune.runtime.schema import SpectuneError
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepOutput
@@ -143,7 +145,7 @@ class Engine:
     def __init__(self, target: TargetFn, *, tiers: Sequence[int], max_batch: int, max_k: int,
                  max_len: int, num_blocks: int, device: torch.device | str, block_size: int = 16,
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
-                 capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = 64,
+                 capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = 512,
                  prefill_tokens: int = 4096):
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // block_size)
@@ -163,6 +165,9 @@ class Engine:
         self.verifier = AdaptiveVerifier(self.pool, prior=prior)
         self.state = EngineState.make(max_batch, self.max_blocks, self.device)
         self.drafts = DraftGraphs(proposer, self.state.draft_input, max_batch, self.pool.capture)
+        self.prefill = PrefillGraphs(target, self.state.block_tables, max_rows=max_batch,
+                                     chunk=prefill_chunk, max_tokens=prefill_tokens, device=self.device,
+                                     capture=self.pool.capture)
         self.cuda = self.device.type == "cuda"
         self._reset()
 
@@ -185,15 +190,20 @@ class Engine:
             self.drafts.prepare(k, min(concurrency, self.max_batch))
 
     def warm_prefill(self, prompt_lens: Sequence[int], max_group: int) -> None:
-        """Prefill 1..max_group dummy prompts into the trash block: kernels specialised on the
-        prefill's shapes (group size, chunk length) compile here, not inside a timed run."""
-        chunk = self.prefill_chunk
-        lens = {n for p in prompt_lens for n in (min(p, chunk), p % chunk) if n > 0}
+        """Capture (CUDA) or run once (elsewhere) the prefill forwards that admitting 1..max_group
+        prompts of these lengths at once will use: graphs and kernels specialised on the
+        forward's shapes are built here, not inside a timed run."""
+        sizes: set[int] = set()
         for g in range(1, min(max_group, self.max_batch) + 1):
-            for n in sorted(lens):
-                self.state.block_tables[:g].fill_(TRASH_BLOCK)
-                self._prefill([Request((1,) * n, 1)] * g, 0)
-        self._synchronize()
+            for n in set(prompt_lens):
+                for pieces in schedule([n] * g, self.prefill_chunk, self.prefill_tokens):
+                    sizes.add(self.prefill.bucket(sum(p.length for p in pieces)))
+        if self.prefill.capture:
+            self.prefill.prepare(sorted(sizes))
+            return
+        for size in sorted(sizes):  # eager: compile the kernels once per shape
+            self.state.block_tables[:1].fill_(TRASH_BLOCK)
+            self.prefill.run([(1,) * size], 0)
 
     def check(self, requests: Sequence[Request], concurrency: int) -> None:
         if not 1 <= concurrency <= min(self.max_batch, self.tiers[-1]):
@@ -224,7 +234,7 @@ class Engine:
         queue = deque(range(len(requests)))
         k_hist: dict[int, int] = {}
         tier_hist: dict[int, int] = {}
-        calls0, captures0, observed, it, timed_out = self.drafts.calls, self.drafts.captures, 0, 0, False
+        calls0, captures0, observed, it, timed_out = self.drafts.calls, self._captures(), 0, 0, False
         iter_marks: list[int] = []
         t0 = time.perf_counter()
         while queue or self.rows:
@@ -266,7 +276,10 @@ class Engine:
         seconds = time.perf_counter() - t0
         self._collect(run, must_before=it + 1)
         return run.result(marks, iter_marks, k_hist, tier_hist, seconds, observed,
-                          self.drafts.calls - calls0, self.drafts.captures - captures0, timed_out)
+                          self.drafts.calls - calls0, self._captures() - captures0, timed_out)
+
+    def _captures(self) -> int:
+        return self.drafts.captures + self.prefill.captures
 
     def _checked(self, plan: Plan, n: int) -> Plan:
         if plan.tier is None or plan.tier not in self.pool.tiers:
@@ -354,41 +367,10 @@ class Engine:
         self._send(run, StepCopy(_to_host(first[:, None]), None, new, it, None, _to_host(margins)))
 
     def _prefill(self, reqs: list[Request], row0: int) -> tuple[Tensor, Tensor]:
-        """Prompts of rows row0.. into the KV cache in chunks of <= prefill_chunk tokens per
-        request (the attention's query tile) and <= prefill_tokens per forward; returns the
-        argmax after each prompt [m] int64 and its ``top2_margin`` [m, 2] float32."""
-        first = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
-        margins = torch.empty(len(reqs), 2, dtype=torch.float32, device=self.device)
-        chunk = self.prefill_chunk
-        per_forward = max(1, self.prefill_tokens // chunk)
-        for g0 in range(0, len(reqs), per_forward):
-            group = range(g0, min(len(reqs), g0 + per_forward))
-            longest = max(len(reqs[i].prompt) for i in group)
-            for c0 in range(0, longest, chunk):
-                live = [i for i in group if len(reqs[i].prompt) > c0]
-                q = [min(chunk, len(reqs[i].prompt) - c0) for i in live]
-                ids = [t for i in live for t in reqs[i].prompt[c0 : c0 + chunk]]
-                pos = [c0 + j for n in q for j in range(n)]
-                cu = [0]
-                for n in q:
-                    cu.append(cu[-1] + n)
-                meta = AttnMeta(
-                    cu_seqlens_q=_to_device(cu, torch.int32, self.device),
-                    context_lens=_to_device([c0] * len(live), torch.int32, self.device),
-                    max_q=max(q),
-                    block_tables=self.state.block_tables.index_select(
-                        0, _to_device([row0 + i for i in live], torch.int64, self.device)),
-                )
-                logits = self.target(_to_device(ids, torch.int64, self.device),
-                                     _to_device(pos, torch.int64, self.device), meta)  # [T, V]
-                ends = [(a, i) for a, i in enumerate(live) if len(reqs[i].prompt) <= c0 + chunk]
-                if ends:
-                    last_rows = _to_device([cu[a + 1] - 1 for a, _ in ends], torch.int64, self.device)
-                    where = _to_device([i for _, i in ends], torch.int64, self.device)
-                    last = logits.index_select(0, last_rows)  # [e, V]
-                    first.index_copy_(0, where, last.argmax(dim=-1))
-                    margins.index_copy_(0, where, top2_margin(last))
-        return first, margins
+        """Prompts of rows row0.. into the KV cache (``prefill.PrefillGraphs``: pieces of <=
+        prefill_chunk tokens per request, <= prefill_tokens per forward, one graph per token
+        bucket); returns the argmax after each prompt [m] int64 and its ``top2_margin`` [m, 2]."""
+        return self.prefill.run([r.prompt for r in reqs], row0)
 
     # -- results --------------------------------------------------------------------------------
 

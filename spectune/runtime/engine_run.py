@@ -113,7 +113,7 @@ class RunResult:
     waits: int  # times the host had to wait for a step's copy
     drafter_calls: int
     observed: int  # policy.observe calls
-    captures: int  # drafter graphs captured during the run (0 when prepare covered it)
+    captures: int  # drafter and prefill graphs captured during the run (0 when prepared)
     timed_out: bool
     margins: list[list[float]] = field(default_factory=list)  # [requests][outputs] top-1 - top-2 logit
     top1: list[list[float]] = field(default_factory=list)  # [requests][outputs] top-1 logit

@@ -247,11 +247,19 @@ def test_captured_engine_on_cuda_matches_plain_greedy():
     engine = Engine(models.target, tiers=TIERS, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len,
                     num_blocks=blocks, device="cuda", block_size=BLOCK, proposer=replay, prefill_chunk=8)
     assert engine.pool.capture
+    engine.warm_prefill(PROMPT_LENS, MAX_BATCH)
+    assert engine.prefill.captures > 0
     g = torch.Generator().manual_seed(0)
     requests = [Request(tuple(torch.randint(1, args.vocab_size, (n,), generator=g).tolist()), m)
                 for n, m in zip(PROMPT_LENS, MAX_NEWS, strict=True)]
     plain = engine.run(requests, FixedPolicy(0, engine.tiers), concurrency=3)
     assert all(plain.done)
+    eager = Engine(models.target, tiers=TIERS, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len,
+                   num_blocks=blocks, device="cuda", block_size=BLOCK, proposer=replay, prefill_chunk=8,
+                   capture=False)
+    assert not eager.prefill.graphs
+    assert eager.run(requests, FixedPolicy(0, eager.tiers), concurrency=3).outputs == plain.outputs
+    assert plain.captures == 0
     n = len(requests)
     replay.load(plain.outputs, torch.full((n, MAX_K), 0.8), torch.rand(n, MAX_NEW, generator=g))
     engine.prepare([3], 4)
