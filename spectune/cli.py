@@ -334,7 +334,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arms", default="plain,fixed:3,fixed:7,auto",
                    help="plain, fixed:K (K drafts always, all verified), auto (the policy table)")
     p.add_argument("--prompts", type=int, default=None,
-                   help="requests per concurrency (default 2 x concurrency, at least 8 on CUDA)")
+                   help="requests per concurrency (default on CUDA: 8 x concurrency within 48..1024; "
+                        "on CPU: 2 x concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
     p.add_argument("--acceptance", default=None,

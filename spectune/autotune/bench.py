@@ -63,13 +63,22 @@ class Defaults:
     max_new_tokens: int
     prompt_len: int
     time_limit_s: float | None  # per timed run
-    min_prompts: int  # requests per concurrency: max(2 x concurrency, min_prompts)
+    waves: int  # requests per concurrency: waves x concurrency, clamped to [min_prompts, max_prompts]
+    min_prompts: int
+    max_prompts: int | None
+
+    def prompts(self, concurrency: int) -> int:
+        n = max(self.waves * concurrency, self.min_prompts)
+        return min(n, self.max_prompts) if self.max_prompts is not None else n
 
 
 # budget arithmetic for qwen3-8b on an H200: docs/BENCH_METHOD.md "Defaults and time"
-GPU_DEFAULTS = Defaults((1, 8, 32, 64, 128, 256), max_new_tokens=128, prompt_len=256, time_limit_s=30.0,
-                        min_prompts=8)
-CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=None, min_prompts=1)
+# (8 waves: a run's drain and the spread of a few requests' step counts move tok/s by < 1 %; with
+# 2 waves of 8 requests, arms 1-2 % apart could not be told apart: docs/BENCH_METHOD.md)
+GPU_DEFAULTS = Defaults((1, 8, 32, 64, 128, 256), max_new_tokens=128, prompt_len=256, time_limit_s=90.0,
+                        waves=8, min_prompts=48, max_prompts=1024)
+CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=None, waves=2, min_prompts=1,
+                        max_prompts=None)
 
 
 WARMUP_TOKENS = 8  # output tokens per warm-up request
@@ -90,7 +99,7 @@ class BenchConfig:
     out: str
     concurrency: str | Sequence[int] | None = None
     arms: str | Sequence[str] = DEFAULT_ARMS
-    prompts: int | None = None  # requests per concurrency; None: max(2 x concurrency, the minimum)
+    prompts: int | None = None  # requests per concurrency; None: the defaults' ``prompts(c)``
     max_new_tokens: int | None = None
     prompt_len: int | None = None
     acceptance: str | None = None  # default: what the policy was tuned on
@@ -99,7 +108,7 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
-    time_limit_s: float | None = None  # per timed run; default 30 s on CUDA
+    time_limit_s: float | None = None  # per timed run; default 90 s on CUDA
     progress: bool = True
     decisive: bool | None = None  # DecisiveLogits on the target; None: on for 16-bit dtypes
 
@@ -423,7 +432,7 @@ def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] |
             raise BenchError(f"{option}: must be >= 1, got {value}")
     if config.dtype not in (None, "bfloat16", "float16", "float32"):
         raise BenchError(f"--dtype: must be bfloat16, float16 or float32, got {config.dtype!r}")
-    counts = {c: config.prompts if config.prompts is not None else max(2 * c, d.min_prompts) for c in concurrency}
+    counts = {c: config.prompts if config.prompts is not None else d.prompts(c) for c in concurrency}
     planner = load(config.policy, on_gpu_mismatch="warn")
     dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])

@@ -122,21 +122,23 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
                    seed: int) -> Prediction:
     """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
 
-    The simulator plays the bench's workload (``requests`` requests of ``decode_tokens`` tokens
-    after the prefill's first, at ``concurrency``), replicated over seeds up to ``SIM_REQUESTS``
-    requests so that the sampling noise of a few requests does not enter the prediction.
+    The simulator plays the bench's workload: a closed run of ``requests`` requests of exactly
+    ``decode_tokens`` tokens after the prefill's first, at ``concurrency`` (the batch drains once the
+    queue is empty), replicated over seeds up to ``SIM_REQUESTS`` requests so that the sampling
+    noise of a few requests does not enter the prediction.
     ``make_policy()`` gives a fresh policy (online state reset). With the acceptance rescaled the
-    error left is the cost model's and the workload's (the simulator keeps the batch full, the bench
-    drains at the end); over the measured steps it is the cost model's alone."""
+    error left is the cost model's and what the simulator leaves out (ride-along rows, the order
+    of admissions); over the measured steps it is the cost model's alone."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
     def run(scale: float) -> _Sim:
         tokens, seconds, slots = 0, 0.0, 0
         for i in range(reps):
             sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
-                           steps=100_000, requests=requests, seed=seed + i, accept_scale=scale,
-                           mean_output_tokens=max(1, decode_tokens))
-            tokens, seconds, slots = tokens + sim.tokens, seconds + sim.seconds, slots + sim.steps * concurrency
+                           steps=1_000_000, requests=requests, seed=seed + i, accept_scale=scale,
+                           mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed")
+            slot_steps = round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
+            tokens, seconds, slots = tokens + sim.tokens, seconds + sim.seconds, slots + slot_steps
         rate = tokens / seconds if seconds > 0 else math.inf
         return _Sim(rate if math.isfinite(rate) else None, tokens / max(1, slots))
 

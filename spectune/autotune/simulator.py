@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -35,6 +35,8 @@ from spectune.runtime.planner import Plan, smallest_tier, step_ms
 from spectune.runtime.schema import SpectuneError
 
 Allocation = Literal["survival", "uniform"]
+Workload = Literal["open", "closed"]
+Lengths = Literal["geometric", "fixed"]
 MAX_EXACT_COMBOS = 4096  # above this many class-count vectors, average over sampled ones
 SAMPLED_COMBOS = 2048
 INFLIGHT_ITERATIONS = 8  # fixed-point steps of the in-flight class mix (exact after one at b = 1)
@@ -249,16 +251,22 @@ def crn_uniform(seed: int, stream: int, request: np.ndarray, index: np.ndarray |
     """Uniforms in [0, 1) keyed by (seed, stream, request id, index); broadcasts like numpy."""
     r = np.asarray(request, dtype=np.int64).astype(np.uint64)
     i = np.asarray(index, dtype=np.int64).astype(np.uint64)
-    key = np.uint64(((seed * 4 + stream) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    # the (seed, stream) key goes through the finaliser first: a key that were a multiple of the
+    # index step would make seed s + 1 replay seed s's uniforms shifted by a few indices
+    key = _mix64(np.uint64(((seed * 4 + stream + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF))
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
-        x = key + r * np.uint64(0xD1B54A32D192ED03) + i * _G
-        # splitmix64 finaliser
+        x = _mix64(key + r * np.uint64(0xD1B54A32D192ED03) + i * _G)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def _mix64(x: Any) -> Any:
+    """splitmix64 finaliser (uint64 scalar or array)."""
+    with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))
         x = x * _M1
         x = x ^ (x >> np.uint64(27))
         x = x * _M2
-        x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+        return x ^ (x >> np.uint64(31))
 
 
 def _grant(prior: np.ndarray, k: int, budget: int, allocation: Allocation, tie: np.ndarray) -> np.ndarray:
@@ -281,12 +289,18 @@ def _grant(prior: np.ndarray, k: int, budget: int, allocation: Allocation, tie: 
 def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, *, concurrency: int,
              context_len: int | None = None, steps: int = 2000, requests: int | None = None,
              seed: int = 0, allocation: Allocation = "survival", accept_scale: float = 1.0,
-             mean_output_tokens: float = 256.0) -> SimResult:
+             mean_output_tokens: float = 256.0, workload: Workload = "open",
+             lengths: Lengths = "geometric") -> SimResult:
     """Run ``concurrency`` live requests for ``steps`` steps (or until ``requests`` finished).
 
-    Request j (in arrival order) has a class, an output length (geometric, mean
-    ``mean_output_tokens``) and a uniform per output token; draft i of a step that starts at output
-    token n is accepted when the uniform of token n + i is below the class's conditional rate a_i.
+    ``workload``: "open" keeps the batch full (a finished request is replaced at once, a server
+    under steady load); "closed" serves exactly ``requests`` requests queued at the start, so the
+    batch drains once the queue is empty (a benchmark run; ``requests`` required).
+
+    Request j (in arrival order) has a class, an output length (``lengths``: geometric with mean
+    ``mean_output_tokens``, or exactly that many) and a uniform per output token; draft i of a step
+    that starts at output token n is accepted when the uniform of token n + i is below the class's
+    conditional rate a_i.
     Two runs with one seed therefore share requests and draws (common random numbers): the ratio
     of two policies' goodputs is not blurred by different samples.
 
@@ -297,6 +311,9 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     """
     if concurrency < 1:
         raise SpectuneError(f"concurrency must be >= 1, got {concurrency}")
+    closed = workload == "closed"
+    if closed and (requests is None or requests < 1):
+        raise SpectuneError("a closed workload needs requests >= 1")
     if context_len is not None:
         cost = dataclasses.replace(cost, context_len=context_len)
     mix = Mixture.of(acceptance)
@@ -309,12 +326,17 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     def new_requests(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cls = np.minimum(np.searchsorted(cum_w, crn_uniform(seed, _STREAM_CLASS, ids), side="right"),
                          len(cum_w) - 1)
+        if lengths == "fixed":
+            return cls, np.full(len(ids), max(1, round(mean_output_tokens)), np.int64)
         if p_end >= 1.0:
             return cls, np.ones(len(ids), np.int64)
         u = crn_uniform(seed, _STREAM_LENGTH, ids)
         length = np.ceil(np.log1p(-u) / math.log1p(-p_end))  # geometric on 1, 2, ...
         return cls, np.maximum(1, length).astype(np.int64)
 
+    if closed:
+        assert requests is not None
+        b = min(b, requests)
     req = np.arange(b, dtype=np.int64)  # [b] request id per slot
     next_req = b
     cls, remaining = new_requests(req)
@@ -322,7 +344,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     lat, wts = [], []
     k_hist: dict[int, int] = {}
     tier_hist: dict[int, int] = {}
-    total_tokens, total_ms, joules, done, n_steps = 0, 0.0, 0.0, 0, 0
+    total_tokens, total_ms, joules, done, n_steps, slot_steps = 0, 0.0, 0.0, 0, 0, 0
     has_power = cost.power_w(1) is not None
     pending = None
     for _ in range(steps):
@@ -355,17 +377,29 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
         k_hist[k] = k_hist.get(k, 0) + 1
         tier_hist[plan.tier] = tier_hist.get(plan.tier, 0) + 1
         n_steps += 1
+        slot_steps += b
         remaining = remaining - emitted
         made = made + emitted
         finished = remaining <= 0
         if finished.any():
+            done += int(finished.sum())
+            if closed:  # refill from the queue; slots without a request leave the batch
+                assert requests is not None
+                idx = np.flatnonzero(finished)
+                refill, drop = idx[: max(0, requests - next_req)], idx[max(0, requests - next_req):]
+                finished = np.zeros(b, bool)
+                finished[refill] = True
+                keep = np.ones(b, bool)
+                keep[drop] = False
             n_new = int(finished.sum())
-            done += n_new
             req[finished] = np.arange(next_req, next_req + n_new)
             next_req += n_new
             cls[finished], remaining[finished] = new_requests(req[finished])
             made[finished] = 0
-            if requests is not None and done >= requests:
+            if closed and not keep.all():
+                req, cls, remaining, made = req[keep], cls[keep], remaining[keep], made[keep]
+                b = len(req)
+            if b == 0 or (requests is not None and done >= requests):
                 break
     all_lat, all_w = np.concatenate(lat), np.concatenate(wts).astype(float)
     return SimResult(
@@ -373,7 +407,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
         itl_p50_ms=_weighted_quantile(all_lat, all_w, 0.50),
         itl_p99_ms=_weighted_quantile(all_lat, all_w, 0.99),
         joules_per_token=joules / total_tokens if has_power else None,
-        mean_accept_len=total_tokens / (n_steps * b),
+        mean_accept_len=total_tokens / max(1, slot_steps),
         k_hist=dict(sorted(k_hist.items())),
         steps=n_steps,
         tokens=total_tokens,

@@ -13,6 +13,7 @@ from spectune.autotune.simulator import (
 )
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan
+from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import (
     CostModelParams,
     DrafterCost,
@@ -117,6 +118,55 @@ def test_crn_uniform_is_uniform_and_keyed():
     assert u.shape == (200, 50) and kstest(u.reshape(-1), "uniform").pvalue > 1e-3
     assert np.array_equal(u, crn_uniform(3, 1, np.arange(200)[:, None], np.arange(50)[None, :]))
     assert not np.allclose(u, crn_uniform(4, 1, np.arange(200)[:, None], np.arange(50)[None, :]))
+
+
+def test_crn_seeds_are_not_shifted_copies_of_each_other():
+    from spectune.autotune.simulator import crn_uniform
+
+    # a key that were a multiple of the index step made seed s + 1 equal seed s four indices on
+    a = crn_uniform(0, 3, np.arange(20)[:, None], np.arange(64)[None, :])
+    for seed in (1, 2, 7):
+        b = crn_uniform(seed, 3, np.arange(20)[:, None], np.arange(64)[None, :])
+        shared = np.intersect1d(a.reshape(-1), b.reshape(-1))
+        assert shared.size == 0
+    for stream in (0, 1, 2):  # streams of one seed neither
+        b = crn_uniform(0, stream, np.arange(20)[:, None], np.arange(64)[None, :])
+        assert np.intersect1d(a.reshape(-1), b.reshape(-1)).size == 0
+
+
+def test_closed_workload_serves_the_queue_then_drains():
+    acc = curve(0.8, 0.6, 0.45)
+    kw = dict(concurrency=4, steps=100_000, requests=10, mean_output_tokens=12.0, seed=2,
+              workload="closed", lengths="fixed")
+    batches: list[int] = []
+
+    class Spy(FixedK):
+        def plan(self, batch_size):
+            batches.append(batch_size)
+            return super().plan(batch_size)
+
+    res = simulate(constant_cost(), acc, Spy(2), **kw)
+    assert res.requests_done == 10 and res.tokens == 10 * 12  # every request, exactly its length
+    assert batches[0] == 4 and batches[-1] < 4 and batches == sorted(batches, reverse=True)
+    assert res.mean_accept_len == pytest.approx(res.tokens / sum(batches))
+    plain = simulate(constant_cost(), acc, FixedK(0), **kw)
+    assert plain.steps == 3 * 12  # 10 requests of 12 tokens, 4 at a time: 3 waves, no overlap
+    fewer = simulate(constant_cost(), acc, FixedK(2), **{**kw, "requests": 2})
+    assert fewer.requests_done == 2  # concurrency above the queue: the batch is the queue
+    with pytest.raises(SpectuneError, match="closed workload needs requests"):
+        simulate(constant_cost(), acc, FixedK(2), **{**kw, "requests": None})
+
+
+def test_open_workload_keeps_the_batch_full():
+    batches: list[int] = []
+
+    class Spy(FixedK):
+        def plan(self, batch_size):
+            batches.append(batch_size)
+            return super().plan(batch_size)
+
+    simulate(constant_cost(), curve(0.8, 0.6), Spy(2), concurrency=4, steps=200, mean_output_tokens=5.0)
+    assert set(batches) == {4}
 
 
 def test_inflight_mix_is_harmonic_at_batch_one():
