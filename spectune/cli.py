@@ -157,6 +157,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--smooth", type=float, default=0.005,
                    help="K schedule smoothing: fewest K changes such that no batch size loses more than this "
                         "fraction of its predicted goodput (0 = off; default 0.005)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="mean context per request (prompt + half the output) of the traffic to serve "
+                        "(default: the profile's context length)")
     p.add_argument("--search-online", action="store_true",
                    help="pick the online correction (EMA weight, hysteresis, min evidence) from a small grid by "
                         "simulated goodput under acceptance drift x0.6 / x1.2 and stationary traffic")
@@ -171,10 +174,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--trials must be >= 1")
     if not 0.0 <= args.smooth < 1.0:
         raise UsageError("--smooth must be in [0, 1)")
+    if args.context_len is not None and args.context_len < 1:
+        raise UsageError("--context-len must be >= 1")
     res = tune(read_table(args.profile), args.acceptance, objective=args.objective,
                capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
                latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
-               pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online)
+               pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
+               context_len=args.context_len)
     write_table(res.table, args.out)
     s = res.search
     print(f"acceptance: {res.acceptance.source}")

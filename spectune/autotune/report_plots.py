@@ -188,7 +188,7 @@ def k_png(inputs: Inputs) -> bytes | None:
 
 
 def _model(tab: Table) -> CostModel:
-    return CostModel(tab.costs.model, tab.workload.drafter_kind, tab.workload.context_len)
+    return CostModel.of(tab, residuals=False)  # the fit itself: its errors against the points
 
 
 def predicted_ms(model: CostModel, p: Point) -> float:

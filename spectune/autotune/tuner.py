@@ -111,7 +111,7 @@ def resolve_acceptance(acceptance: str | AcceptanceModel | None, max_k: int) -> 
 
 
 def cost_model(profile: Table) -> CostModel:
-    return CostModel(profile.costs.model, profile.workload.drafter_kind, profile.workload.context_len)
+    return CostModel.of(profile)
 
 
 def confirm_policy(table: Table, acceptance: AcceptanceModel, concurrencies: list[int], *,
@@ -133,18 +133,25 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
          capture_budget_mib: float | None = None, capture_seconds: float | None = None,
          latency_bound_ms: float | None = None, trials: int = DEFAULT_TRIALS, seed: int = 0,
          pareto: bool = False, max_batch: int | None = None, confirm: bool = False,
-         smooth: float = DEFAULT_SMOOTH, online: bool = False) -> TuneResult:
+         smooth: float = DEFAULT_SMOOTH, online: bool = False, context_len: int | None = None) -> TuneResult:
     """Search the policy; ``online`` also picks the online-correction settings by simulated drift
-    (``search_online`` at concurrencies 1, max_batch / 4 and max_batch) and stores them."""
+    (``search_online`` at concurrencies 1, max_batch / 4 and max_batch) and stores them.
+    ``context_len``: mean context of the traffic to serve (default: the profile's); the KV read
+    grows with it, so the best K at a batch size does too."""
     w = profile.workload
     max_batch = w.max_batch if max_batch is None else max_batch
     if max_batch < 1:
         raise SpectuneError(f"max_batch: must be >= 1, got {max_batch}")
+    if context_len is not None and context_len < 1:
+        raise SpectuneError(f"context_len: must be >= 1, got {context_len}")
     if w.max_k < 1:
         raise SpectuneError("workload.max_k: must be >= 1 to tune speculative decoding")
     model = resolve_acceptance(acceptance, w.max_k)
+    cost = cost_model(profile)
+    if context_len is not None:
+        cost = dataclasses.replace(cost, context_len=context_len)
     result = search_policy(
-        cost_model(profile), model, max_batch=max_batch, max_k=w.max_k, capture=profile.costs.capture,
+        cost, model, max_batch=max_batch, max_k=w.max_k, capture=profile.costs.capture,
         objective=objective, capture_budget_mib=capture_budget_mib, capture_seconds=capture_seconds,
         latency_bound_ms=latency_bound_ms, trials=trials, seed=seed, pareto=pareto, smooth=smooth,
     )
@@ -152,7 +159,7 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
         profile,
         workload=dataclasses.replace(w, max_batch=max_batch),
         acceptance=model.to_dict(),
-        policy=result.policy,
+        policy=dataclasses.replace(result.policy, context_len=context_len),
     )
     picked = None
     if online and table.policy is not None:

@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from spectune.runtime import costs
 from spectune.runtime.costs import CostModel
 from spectune.runtime.schema import SpectuneError, TableError
 from spectune.runtime.table import Row, Table, read_table
@@ -81,12 +80,7 @@ def row_budget(row: Row, batch: int, k: int | None = None) -> int:
 def step_ms(cost: CostModel, batch: int, k: int, tier: int) -> float:
     """One step as the runtime runs it: drafter(b, K) + target(tier) + overhead(tier); the step
     pays for its padded tier, and a K = 0 step is plain decoding (no verification KV term)."""
-    p = cost.params.target
-    try:
-        t = costs.target_ms(p, tier, batch, cost.context_len, verify=k > 0)
-    except TypeError:
-        t = costs.target_ms(p, tier, batch, cost.context_len)
-    return cost.drafter_ms(batch, k) + t + cost.overhead_ms(tier)
+    return cost.drafter_ms(batch, k) + cost.target_ms(tier, batch, verify=k > 0) + cost.overhead_ms(tier)
 
 
 def smallest_tier(tiers: Sequence[int], tokens: int) -> int | None:
@@ -115,7 +109,7 @@ class Planner:
         self.policy = table.policy
         self.tiers: list[int] = list(self.policy.tiers)
         self.max_batch = self.policy.rows[-1].batch[1]
-        self.cost = CostModel(table.costs.model, table.workload.drafter_kind, table.workload.context_len)
+        self.cost = CostModel.of(table)
         online = self.policy.online
         self.k_lo = online.min_k
         self.k_hi = online.max_k if online.max_k is not None else table.workload.max_k

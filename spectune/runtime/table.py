@@ -230,8 +230,12 @@ class Policy:
     rows: list[Row]
     online: Online
     objective: str = "goodput"
+    # mean context (tokens in the KV cache per request) of the traffic the policy was tuned for;
+    # None: the profile's workload.context_len
+    context_len: int | None = None
 
     def validate(self, path: str) -> None:
+        require(self.context_len is None or self.context_len >= 1, f"{path}.context_len", "must be >= 1")
         require(len(self.tiers) > 0, f"{path}.tiers", "must not be empty")
         require(all(t >= 1 for t in self.tiers), f"{path}.tiers", "must be positive")
         require(list(self.tiers) == sorted(set(self.tiers)), f"{path}.tiers", "must be strictly increasing")
