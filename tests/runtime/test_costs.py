@@ -1,0 +1,88 @@
+"""The measured-residual correction of the target cost fit, and tuning for a context length."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from spectune.runtime.costs import CostModel, TargetResiduals
+from spectune.runtime.costs import target_ms as fit_ms
+from spectune.runtime.planner import step_ms
+from spectune.runtime.table import CostModelParams, DrafterCost, OverheadCost, Point, TargetCost
+
+TARGET = TargetCost(weight_ms=6.0, token_ms=0.02, knee_tokens=256.0, compute_ms=0.01, kv_ms_per_mtok=30.0)
+PARAMS = CostModelParams(TARGET, DrafterCost(0.0, 0.5, 0.0), OverheadCost(0.01, 0.0))
+CTX = 2048
+
+
+def grid(wobble) -> list[Point]:
+    """Target points on a batch x q grid whose time is the fit times ``wobble(b, q)``."""
+    pts = []
+    for b in (1, 4, 16, 64):
+        for q in (1, 2, 4, 8):
+            n = b * q
+            pts.append(Point("target", b, n, fit_ms(TARGET, n, b, CTX) * wobble(b, q), q=q))
+    return pts
+
+
+def test_residuals_are_exact_on_the_grid_and_interpolate_between():
+    wob = {1: 1.0, 2: 1.04, 4: 0.93, 8: 1.02}
+    pts = grid(lambda b, q: wob[q] * (1.01 if b == 16 else 1.0))
+    res = TargetResiduals.from_points(TARGET, pts, CTX)
+    assert res is not None
+    model = CostModel(PARAMS, "autoregressive", CTX, res)
+    for p in pts:
+        assert model.target_ms(p.tokens, p.batch) == pytest.approx(p.ms, rel=1e-9)
+    # between q 2 and 4 at batch 4: geometric mean of the two ratios at the log midpoint
+    mid = model.target_ms(4 * math.sqrt(8), 4) / fit_ms(TARGET, 4 * math.sqrt(8), 4, CTX)
+    assert mid == pytest.approx(math.sqrt(1.04 * 0.93), rel=1e-9)
+    # between batch 4 and 16 (log midpoint 8) at 8 tokens: row 4 at 8 tokens (q 2: 1.04), row 16
+    # below its fewest tokens (16, q 1: 1.0 x 1.01); rows are interpolated along tokens, then batch
+    assert res.factor(8, 8) == pytest.approx(math.sqrt(1.04 * 1.01), rel=1e-9)
+    # past the ends: the nearest row / column
+    assert res.factor(10_000, 64) == pytest.approx(wob[8], rel=1e-9)
+    assert res.factor(1, 0.5) == pytest.approx(1.0, rel=1e-9)
+
+
+def test_residuals_need_rows_of_three_points_and_skip_held_out_and_infeasible():
+    pts = grid(lambda b, q: 1.0)
+    pts += [Point("target", 3, 6, 99.0, q=2), Point("target", 4, 12, 99.0, q=3, held_out=True),
+            Point("target", 4, 64, None, q=16), Point("drafter", 4, 4, 99.0, k=1)]
+    res = TargetResiduals.from_points(TARGET, pts, CTX)
+    assert res is not None and len(res.rows) == 4  # batch 3 has one point: no row
+    assert res.factor(12, 4) == pytest.approx(1.0)
+    assert TargetResiduals.from_points(TARGET, pts[:2], CTX) is None
+
+
+def test_step_time_uses_the_corrected_target():
+    res = TargetResiduals.from_points(TARGET, grid(lambda b, q: 0.9), CTX)
+    fit, corrected = CostModel(PARAMS, "autoregressive", CTX), CostModel(PARAMS, "autoregressive", CTX, res)
+    drafter = fit.drafter_ms(4, 3)
+    assert step_ms(corrected, 4, 3, 16) - drafter - fit.overhead_ms(16) == pytest.approx(
+        0.9 * (step_ms(fit, 4, 3, 16) - drafter - fit.overhead_ms(16)))
+
+
+def test_tune_for_a_shorter_context_records_it_and_the_planner_uses_it(tmp_path):
+    from spectune.autotune.tuner import tune
+    from spectune.runtime.planner import Planner
+    from spectune.runtime.table import read_table, write_table
+    from tests.tables import make_params, make_profile, make_workload
+
+    profile = make_profile(make_params((6.0, 0.02, 64.0, 0.05, 30.0), (0.0, 0.5, 0.0), (0.01, 0.0)),
+                           make_workload(3, 8))
+    res = tune(profile, "curve:0.8,0.6,0.45", trials=3, context_len=64)
+    assert res.table.policy is not None and res.table.policy.context_len == 64
+    path = tmp_path / "p.yaml"
+    write_table(res.table, path)
+    back = read_table(path)
+    assert back.policy is not None and back.policy.context_len == 64
+    assert Planner(back).cost.context_len == 64 and back.workload.context_len == profile.workload.context_len
+    plain = tune(profile, "curve:0.8,0.6,0.45", trials=3)
+    assert plain.table.policy is not None and plain.table.policy.context_len is None
+    assert Planner(plain.table).cost.context_len == profile.workload.context_len
+    bad = dataclasses.replace(res.table.policy, context_len=0)
+    from spectune.runtime.schema import TableError
+    with pytest.raises(TableError, match="context_len"):
+        bad.validate("policy")
