@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from spectune.autotune.timing import CudaGraphTimer, InfeasiblePoint, Timer, WallClockTimer
-from spectune.kernels.meta import AttnMeta
+from spectune.io import atomic_write_text
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.attention import AttnMode, DenseTorchAttention, reference_attention
-from spectune.models.shapes import StepFn, free_device_memory
-from spectune.runtime.schema import atomic_write_text
+from spectune.models.build import StepFn, free_device_memory
 
 GPU_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "contexts": [2048, 8192],
              "batches": [1, 4, 16, 64, 256], "qs": [1, 2, 4, 8, 16]}

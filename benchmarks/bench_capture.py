@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from spectune.io import atomic_write_text
+from spectune.models.build import even_split, fit_paged_cache
 from spectune.models.config import resolve_target
 from spectune.models.decoder import Transformer
-from spectune.models.shapes import even_split, fit_paged_cache
 from spectune.runtime.planner import load
-from spectune.runtime.schema import atomic_write_text
 
 MIB = 2**20
 

@@ -1,6 +1,6 @@
 """Host time of the engine per step, apart from the target forward and the step's device work (CPU).
 
-The real engine (``spectune.runtime.engine``), a policy table (planner and online correction; the
+The real engine (``spectune.engine.engine``), a policy table (planner and online correction; the
 H200 qwen3-8b cost model and acceptance prior, rows shaped like the shipped H200 table's: K 5 at
 batch 1, 4 up to 50, 3 above; kept here so the figures do not move with a re-tuned profile) and
 the replay drafter serve requests at several concurrencies with the arms plain,
@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from spectune.autotune.bench import TorchPagedAttention, arm_policy, bench_tiers, parse_arm
-from spectune.kernels.meta import AttnMeta
-from spectune.runtime.engine import KV_SLACK, Engine, Request, RunResult
+from spectune.engine.bench import TorchPagedAttention, arm_policy, bench_tiers, parse_arm
+from spectune.engine.engine import KV_SLACK, Engine, Request, RunResult
+from spectune.engine.replay_drafter import DraftInput, ReplayDrafter
+from spectune.io import atomic_write_text
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.runtime.planner import Planner, load
-from spectune.runtime.replay_drafter import DraftInput, ReplayDrafter
-from spectune.runtime.schema import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks/results/engine_host_cpu.json"
@@ -140,8 +140,8 @@ def build_engine(target_name: str, planner: Planner, concurrency: Sequence[int],
     if target_name == "stub":
         target, vocab = StubTarget(STUB_VOCAB), STUB_VOCAB
     else:
+        from spectune.models.build import build_models
         from spectune.models.config import ModelArgs, parse_drafter
-        from spectune.models.shapes import build_models
 
         args = ModelArgs.from_name("tiny")
         models = build_models(args, parse_drafter("eagle-1l"), device="cpu", dtype=torch.float32,

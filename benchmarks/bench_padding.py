@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from spectune.io import atomic_write_text
 from spectune.kernels.allocate import allocate_ref
 from spectune.kernels.pack import padding_waste
-from spectune.runtime.schema import atomic_write_text
 
 SURVIVAL = [0.78, 0.58, 0.43, 0.32, 0.24, 0.18, 0.13]  # s_1..s_7
 TIERS = [1, 2, 4, *range(8, 257, 8), *range(272, 1025, 16), *range(1056, 2049, 32)]

@@ -27,9 +27,9 @@ import torch
 if not torch.cuda.is_available():  # the tiny CPU run uses Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from spectune.io import atomic_write_text  # noqa: E402
 from spectune.kernels.accept import accept_greedy  # noqa: E402
 from spectune.kernels.pack import PackedBatch, pack  # noqa: E402
-from spectune.runtime.schema import atomic_write_text  # noqa: E402
 from spectune.runtime.step import AdaptiveVerifier, GraphPool  # noqa: E402
 
 VOCAB = 4096

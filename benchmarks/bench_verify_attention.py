@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spectune.io import atomic_write_text
 from spectune.kernels.attention import (
     AttnConfig,
     folded_dense,
@@ -62,9 +63,8 @@ from spectune.kernels.attention_configs import (
     pick_winners,
     time_candidates,
 )
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.paged import PagedTritonAttention
-from spectune.runtime.schema import atomic_write_text
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = N_HEADS // N_KV_HEADS

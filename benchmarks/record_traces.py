@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from spectune.models.real import MODEL_NAME, EarlyExitDrafter, NgramDrafter, eos_ids, load_smollm2
+from spectune.io import atomic_write_text
+from spectune.models.smollm2 import (
+    MODEL_NAME,
+    EarlyExitDrafter,
+    NgramDrafter,
+    eos_ids,
+    load_smollm2,
+)
 from spectune.models.specdecode import (
     first_mismatch,
     greedy_reference,
@@ -42,7 +49,6 @@ from spectune.models.specdecode import (
     trace_records,
     write_traces,
 )
-from spectune.runtime.schema import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("mtbench", "humaneval")
@@ -194,7 +200,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", default=None, help="GGUF file or folder (default: see spectune.models.real.find_gguf)")
+    p.add_argument("--gguf", default=None, help="GGUF file or folder (default: see spectune.models.smollm2.find_gguf)")
     p.add_argument("--mtbench", default=None, help="MT-Bench question.jsonl")
     p.add_argument("--humaneval", default=None, help="HumanEval.jsonl.gz")
     p.add_argument("--jobs", nargs="+", default=[], help="dataset:drafter:limit, run in order")

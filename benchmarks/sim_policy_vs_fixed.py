@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
 from spectune.autotune.simulator import FixedK, Mixture, expected_tokens, simulate
-from spectune.autotune.tuner import cost_model, resolve_acceptance, tune
+from spectune.autotune.tune_pipeline import cost_model, tune
 from spectune.runtime.planner import Planner, step_ms
 from spectune.runtime.table import Table, read_table
 

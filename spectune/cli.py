@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from spectune import __version__
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 
 
 class UsageError(Exception):
@@ -123,7 +123,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
     profile_out = str(Path(args.out).with_suffix(".profile.yaml")) if args.out else None
     profile, path = _run_profile(args, profile_out)
     try:
-        from spectune.autotune.tuner import tune_table
+        from spectune.autotune.tune_pipeline import tune_table
     except ImportError:
         print("tuning is not available yet: the profile above is the result")
         return 0
@@ -167,7 +167,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from spectune.autotune.tuner import tune
+    from spectune.autotune.tune_pipeline import tune
     from spectune.runtime.table import read_table, write_table
 
     if args.trials < 1:
@@ -315,7 +315,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from spectune.autotune.export import export_table
-    from spectune.runtime.schema import atomic_write_text
+    from spectune.io import atomic_write_text
     from spectune.runtime.table import read_table
 
     table = read_table(args.policy)
@@ -373,7 +373,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
-    from spectune.autotune.bench import BenchConfig, run_bench
+    from spectune.engine.bench import BenchConfig, run_bench
 
     if args.time_limit is not None and args.time_limit <= 0:
         raise UsageError("--time-limit must be > 0")

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from spectune.runtime.schema import SpectuneError, TableError, from_dict, require
+from spectune.errors import SpectuneError, TableError
+from spectune.runtime.schema import from_dict, require
 
 EXTRAPOLATION_DECAY = 0.95  # per position past the data, applied to the last conditional rate
 DEFAULT_PUBLIC = "EAGLE-3/Llama-3.1-8B-Instruct/MT-Bench"
@@ -433,6 +434,16 @@ def load_acceptance(source: str, *, max_k: int) -> AcceptanceModel:
     )
 
 
+
+
+def resolve_acceptance(acceptance: str | AcceptanceModel | None, max_k: int) -> AcceptanceModel:
+    if acceptance is None:
+        return default_acceptance(max_k)
+    if isinstance(acceptance, str):
+        return load_acceptance(acceptance, max_k=max_k)
+    return acceptance
+
+
 __all__ = [
     "AcceptanceError",
     "AcceptanceModel",
@@ -441,5 +452,6 @@ __all__ = [
     "EXTRAPOLATION_DECAY",
     "default_acceptance",
     "load_acceptance",
+    "resolve_acceptance",
     "public_selectors",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 from spectune.runtime.table import Table
 
 FORMATS = ("vllm", "sglang", "trtllm")

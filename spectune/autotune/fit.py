@@ -20,8 +20,8 @@ from typing import Any, TypeAlias
 import numpy as np
 from scipy.optimize import nnls
 
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel, drafter_ms, target_ms
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import (
     CostError,
     CostModelParams,

@@ -21,9 +21,16 @@ from typing import Any, Literal
 import pandas as pd
 import torch
 
-from spectune.autotune.facts import gpu_slug, hardware_facts, parse_device, software_facts
-from spectune.autotune.study import PointSpec, StudyPlan, StudyResult, run_study, study_name_for
-from spectune.runtime.schema import SpectuneError, atomic_write_text
+from spectune.autotune.hardware import gpu_slug, hardware_facts, parse_device, software_facts
+from spectune.autotune.measurement_study import (
+    PointSpec,
+    StudyPlan,
+    StudyResult,
+    run_study,
+    study_name_for,
+)
+from spectune.errors import SpectuneError
+from spectune.io import atomic_write_text
 from spectune.runtime.table import (
     SCHEMA,
     CapturePoint,
@@ -142,7 +149,7 @@ def overhead_step(*, batch: int, tokens: int, max_k: int, context_len: int, devi
     """Pack ``batch`` requests into ``tokens`` rows (1 real token + drafts each): the per-step
     device work the runtime adds around the target graph."""
     from spectune.kernels.pack import PackedBatch, pack, pack_ref
-    from spectune.models.shapes import StepFn, even_split
+    from spectune.models.build import StepFn, even_split
 
     k = max(1, max_k)
     gen = torch.Generator(device=device).manual_seed(batch * 7919 + tokens)
@@ -171,8 +178,8 @@ def overhead_step(*, batch: int, tokens: int, max_k: int, context_len: int, devi
 
 def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
     """Build the models once; return ``measure_point(spec) -> StepFn``."""
+    from spectune.models.build import build_models
     from spectune.models.config import parse_drafter, resolve_target
-    from spectune.models.shapes import build_models
 
     target, drafter = resolve_target(r.config.target), parse_drafter(r.config.drafter)
     models = build_models(target, drafter, device=r.device, dtype=getattr(torch, r.dtype),
@@ -227,7 +234,7 @@ def _capture(records: list[dict[str, Any]]) -> list[CapturePoint]:
 
 
 def _attention_name(device: torch.device) -> str:
-    from spectune.models.shapes import ATTENTION_NAMES, resolve_attention
+    from spectune.models.build import ATTENTION_NAMES, resolve_attention
 
     return ATTENTION_NAMES[resolve_attention("auto", device)]
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from spectune.runtime.schema import SpectuneError, TableError, from_dict
+from spectune.errors import SpectuneError, TableError
+from spectune.runtime.schema import from_dict
 from spectune.runtime.table import Table, read_table
 
 BENIGN_THROTTLE = frozenset({"", "none", "idle", "gpu_idle"})

@@ -30,9 +30,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from spectune.autotune.acceptance import AcceptanceModel
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier, step_ms
-from spectune.runtime.schema import SpectuneError
 
 Allocation = Literal["survival", "uniform"]
 Workload = Literal["open", "closed"]

@@ -1,6 +1,6 @@
 """Timing harness: what one measured point costs.
 
-A timer is any callable ``timer(step) -> Timing`` over a ``StepFn`` (see ``spectune.models.shapes``):
+A timer is any callable ``timer(step) -> Timing`` over a ``StepFn`` (see ``spectune.models.build``):
 - ``CudaGraphTimer``: eager warm-up on a side stream, capture of a FULL CUDA graph of ``step.run()``
   (capture seconds and the graph pool's memory recorded), warm-up replays, then timed replays with
   CUDA events in a few batches, inputs refreshed in place between batches; median and p20/p80.
@@ -23,8 +23,8 @@ from typing import Literal, Protocol
 
 import torch
 
-from spectune.models.shapes import StepFn
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
+from spectune.models.build import StepFn
 
 TimerMode = Literal["cuda-graph", "wall-clock", "fake"]
 MIB = 1024 * 1024

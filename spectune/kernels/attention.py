@@ -18,7 +18,7 @@ Inside a program the KV range is walked in two loops: whole blocks every row may
 below ``context_len + 1`` in causal mode), with no mask at all, then the one or two tail blocks
 where the causal mask and the range end apply.
 
-``meta`` is duck-typed (``spectune.kernels.meta.AttnMeta``): ``cu_seqlens_q [B+1] int32``,
+``meta`` is duck-typed (``spectune.kernels.attention_metadata.AttnMeta``): ``cu_seqlens_q [B+1] int32``,
 ``context_lens [B] int32``, ``max_q`` (static int), ``block_tables [B, max_blocks] int32``.
 Rows >= cu_seqlens_q[-1] are padding and come out as zeros.
 """

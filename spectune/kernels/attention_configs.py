@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 
 TABLE_FORMAT = "spectune-attention-configs/1"
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 
 PAD_SLOT = -1  # slot_mapping value of a padding row
 

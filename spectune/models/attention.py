@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 
 AttnMode = Literal["folded", "sdpa_gqa"]
 SLOT_ALIGN = 16  # cache slots per request rounded up to this (aligned mask rows for SDPA kernels)

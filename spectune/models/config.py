@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 
 
 class ModelError(SpectuneError):

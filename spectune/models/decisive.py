@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 
 # odd multipliers of a multiplicative hash; any fixed values do
 _MUL_TOKEN = 0x9E3779B1

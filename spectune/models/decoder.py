@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import ModelArgs
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from spectune.kernels.attention import AttnConfig, verify_attention
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import (
     KernelInputError,
     allocate_kv_cache,
@@ -27,7 +28,6 @@ from spectune.kernels.kv_cache import (
     slot_mapping_for,
     write_kv,
 )
-from spectune.kernels.meta import AttnMeta
 
 
 class PagedTritonAttention:

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from spectune.runtime.schema import SpectuneError, atomic_write_bytes
+from spectune.errors import SpectuneError
+from spectune.io import atomic_write_bytes
 
 TRACE_FIELDS = ("request", "step", "offered", "accepted", "conf", "dataset", "drafter", "model")
 CONF_DECIMALS = 4

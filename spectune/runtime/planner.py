@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from spectune.errors import SpectuneError, TableError
 from spectune.runtime.costs import CostModel
-from spectune.runtime.schema import SpectuneError, TableError
 from spectune.runtime.table import Row, Table, read_table
 
 OnMismatch = Literal["warn", "refuse", "ignore"]

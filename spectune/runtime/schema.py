@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -16,22 +15,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
+from spectune.errors import TableError
+
 T = TypeVar("T")
-
-
-class SpectuneError(ValueError):
-    """Base of spectune's typed errors; the CLI prints them as one line and exits 2."""
-
-
-class TableError(SpectuneError):
-    """A policy/profile table is malformed. ``field`` is the dotted path of the culprit."""
-
-    def __init__(self, field: str, reason: str, file: str | os.PathLike[str] | None = None):
-        self.field = field
-        self.reason = reason
-        self.file = str(file) if file is not None else None
-        where = f"{self.file}: " if self.file else ""
-        super().__init__(f"{where}{field}: {reason}" if field else f"{where}{reason}")
 
 
 def _join(path: str, key: str | int) -> str:
@@ -147,34 +133,6 @@ def to_dict(obj: Any) -> Any:
 def require(cond: bool, path: str, reason: str) -> None:
     if not cond:
         raise TableError(path, reason)
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    _atomic_write(path, text, "w")
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
-    _atomic_write(path, data, "wb")
-
-
-def _atomic_write(path: str | os.PathLike[str], content: str | bytes, mode: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-    try:
-        with os.fdopen(fd, mode) as fh:
-            fh.write(content)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_yaml(path: str | os.PathLike[str]) -> Any:

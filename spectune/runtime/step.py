@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from spectune.errors import SpectuneError
 from spectune.kernels.accept import (
     AcceptOutput,
     accept_greedy,
@@ -34,10 +35,9 @@ from spectune.kernels.accept import (
     make_sample_noise,
 )
 from spectune.kernels.allocate import allocate, allocate_ref
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.pack import PackedBatch, pack, pack_ref
 from spectune.kernels.stats import StatsCounters, StatsSnapshot
-from spectune.runtime.schema import SpectuneError
 
 # target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttnMeta], torch.Tensor]

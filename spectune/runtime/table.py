@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from spectune.errors import TableError
+from spectune.io import atomic_write_text
 from spectune.runtime.schema import (
-    TableError,
-    atomic_write_text,
     dump_yaml,
     from_dict,
     read_yaml,

@@ -16,7 +16,7 @@ from spectune.autotune.acceptance import (
     load_acceptance,
 )
 from spectune.autotune.acceptance_sources import calibrate
-from spectune.runtime.schema import TableError
+from spectune.errors import TableError
 
 DATA = Path(__file__).parent / "data"
 PROM = DATA / "vllm_metrics.prom"

@@ -11,9 +11,9 @@ from spectune.autotune.simulator import (
     inflight_weights,
     simulate,
 )
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import (
     CostModelParams,
     DrafterCost,

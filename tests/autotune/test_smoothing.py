@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from spectune.autotune.search import (
+from spectune.autotune.policy_search import (
     OperatingGrid,
     candidate_values,
     choose,
@@ -13,7 +13,7 @@ from spectune.autotune.search import (
 )
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Planner
-from tests.autotune.test_search import ACC, CAPTURE, KNEE, SMALL, _profile
+from tests.autotune.test_policy_search import ACC, CAPTURE, KNEE, SMALL, _profile
 
 
 def hand_grid(per_batch: list[dict[int, float]]) -> OperatingGrid:
@@ -104,7 +104,7 @@ def test_candidate_values_respect_mask_and_latency_bound():
 
 
 def test_bad_tolerance_names_the_field():
-    from spectune.autotune.search import SearchError
+    from spectune.autotune.policy_search import SearchError
 
     with pytest.raises(SearchError, match="smooth"):
         search_policy(CostModel(KNEE, "autoregressive", 128), ACC, max_batch=8, max_k=6, trials=1, smooth=1.5)

@@ -12,8 +12,8 @@ from spectune.autotune.timing import (
     is_out_of_memory,
     summarize,
 )
-from spectune.models.shapes import StepFn
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
+from spectune.models.build import StepFn
 
 
 class CountingStep:

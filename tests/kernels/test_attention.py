@@ -12,8 +12,8 @@ from spectune.kernels.attention import (
     verify_attention_ref,
     verify_attention_sdpa_gqa,
 )
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import KernelInputError, make_block_tables, slot_mapping_for
-from spectune.kernels.meta import AttnMeta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16

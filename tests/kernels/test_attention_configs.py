@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from spectune.errors import SpectuneError
 from spectune.kernels import attention_configs as ac
 from spectune.kernels.attention_configs import (
     INTERPRETER_CONFIG,
@@ -23,7 +24,6 @@ from spectune.kernels.attention_configs import (
     table_from_dict,
     time_candidates,
 )
-from spectune.runtime.schema import SpectuneError
 
 H200 = ac.CONFIG_DIR / "NVIDIA_H200.json"
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.attention import DenseTorchAttention, reference_attention
 
 H, HKV, D = 8, 2, 16

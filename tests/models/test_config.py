@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from spectune.errors import SpectuneError
 from spectune.models.config import (
     PRESETS,
     DrafterSpec,
@@ -15,7 +16,6 @@ from spectune.models.config import (
     resolve_target,
     weight_bytes,
 )
-from spectune.runtime.schema import SpectuneError
 
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,

@@ -1,6 +1,6 @@
 import torch
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.decisive import DecisiveLogits, decisive_token
 
 

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.attention import DenseTorchAttention
 from spectune.models.config import ModelArgs
 from spectune.models.decoder import Transformer

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from spectune.models.real import (  # noqa: E402
+from spectune.models.smollm2 import (  # noqa: E402
     GGUF_ENV,
     EarlyExitDrafter,
     ModelLoadError,

@@ -65,7 +65,7 @@ def test_step_time_uses_the_corrected_target():
 
 
 def test_tune_for_a_shorter_context_records_it_and_the_planner_uses_it(tmp_path):
-    from spectune.autotune.tuner import tune
+    from spectune.autotune.tune_pipeline import tune
     from spectune.runtime.planner import Planner
     from spectune.runtime.table import read_table, write_table
     from tests.tables import make_params, make_profile, make_workload
@@ -83,6 +83,6 @@ def test_tune_for_a_shorter_context_records_it_and_the_planner_uses_it(tmp_path)
     assert plain.table.policy is not None and plain.table.policy.context_len is None
     assert Planner(plain.table).cost.context_len == profile.workload.context_len
     bad = dataclasses.replace(res.table.policy, context_len=0)
-    from spectune.runtime.schema import TableError
+    from spectune.errors import TableError
     with pytest.raises(TableError, match="context_len"):
         bad.validate("policy")

@@ -2,8 +2,8 @@ import warnings
 
 import pytest
 
+from spectune.errors import TableError
 from spectune.runtime.planner import Plan, Planner, PolicyMismatch, PolicyMismatchWarning, load
-from spectune.runtime.schema import TableError
 from spectune.runtime.table import Row, write_table
 from tests.tables import make_params, make_policy, make_profile, make_workload
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spectune.kernels.accept import PLACEHOLDER_TOKEN_ID
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepError
 
 VOCAB = 24

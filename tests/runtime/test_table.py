@@ -1,7 +1,8 @@
 import pytest
 import yaml
 
-from spectune.runtime.schema import TableError, to_dict
+from spectune.errors import TableError
+from spectune.runtime.schema import to_dict
 from spectune.runtime.table import (
     CapturePoint,
     CostError,

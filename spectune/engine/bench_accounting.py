@@ -22,10 +22,10 @@ from typing import Any
 
 from spectune.autotune.acceptance import AcceptanceModel
 from spectune.autotune.simulator import simulate
+from spectune.engine.engine import RunResult
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
-from spectune.runtime.engine import RunResult
 from spectune.runtime.planner import step_ms
-from spectune.runtime.schema import SpectuneError
 
 
 @dataclass(frozen=True)

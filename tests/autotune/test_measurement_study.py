@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from spectune.autotune.study import (
+from spectune.autotune.measurement_study import (
     InfeasiblePoint,
     PointSpec,
     StudyPlan,
@@ -143,7 +143,7 @@ def test_sqlite_storage_resumes(tmp_path):
 
 
 def test_bad_storage_url_names_storage():
-    from spectune.autotune.study import StudyError, open_storage
+    from spectune.autotune.measurement_study import StudyError, open_storage
 
     with pytest.raises(StudyError, match="storage"):
         open_storage("redis://localhost/0")

@@ -36,8 +36,8 @@ from optuna.trial import TrialState
 
 from spectune.autotune.fit import FitError, fit_cost_model, fit_drafter, fit_target, held_out_error
 from spectune.autotune.timing import InfeasiblePoint, free_device_memory, is_out_of_memory
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel, drafter_ms, target_ms
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import CostError, CostModelParams, DrafterKind, PointKind
 
 DEFAULT_ACCEPT = 0.7  # survival s_i = DEFAULT_ACCEPT**i, only to find where the best K changes

@@ -23,8 +23,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import blocks_needed
-from spectune.kernels.meta import AttnMeta
 from spectune.models.attention import AttnMode, DenseTorchAttention
 from spectune.models.config import DrafterSpec, ModelArgs, ModelError
 from spectune.models.decoder import Transformer

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 
 NO_MARGIN = float("nan")  # margin of a token chosen by a verification step (not recorded)
 

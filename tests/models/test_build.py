@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from spectune.kernels.attention import gather_dense_kv
-from spectune.kernels.meta import AttnMeta
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.attention import DenseTorchAttention
+from spectune.models.build import build_models, even_split
 from spectune.models.config import ModelArgs, ModelError, parse_drafter
 from spectune.models.paged import PagedTritonAttention
-from spectune.models.shapes import build_models, even_split
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +177,8 @@ def test_steps_replay_in_a_cuda_graph_like_eager(drafter, attention, dtype):
 
 def test_paged_drafter_serves_fewer_rows_than_allocated():
     # the bench's cost drafter is allocated for the largest batch and runs smaller steps
+    from spectune.models.build import build_models, fit_paged_cache
     from spectune.models.config import parse_drafter, resolve_target
-    from spectune.models.shapes import build_models, fit_paged_cache
 
     args, spec = resolve_target("tiny"), parse_drafter("eagle-1l")
     models = build_models(args, spec, device=torch.device("cpu"), dtype=torch.float32, max_batch=4,

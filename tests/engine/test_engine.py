@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectune.autotune.bench import (
+from spectune.engine.bench import (
     BenchError,
     FixedPolicy,
     TorchPagedAttention,
     arm_policy,
     parse_arm,
 )
-from spectune.kernels.meta import AttnMeta
+from spectune.engine.engine import Engine, EngineError, Request
+from spectune.engine.replay_drafter import ReplayDrafter
+from spectune.engine.run_log import MarginTap, top2_margin
+from spectune.kernels.attention_metadata import AttnMeta
+from spectune.models.build import build_models, fit_cache
 from spectune.models.config import ModelArgs, parse_drafter
-from spectune.models.shapes import build_models, fit_cache
-from spectune.runtime.engine import Engine, EngineError, Request
-from spectune.runtime.engine_run import MarginTap, top2_margin
 from spectune.runtime.planner import load
-from spectune.runtime.replay_drafter import ReplayDrafter
 
 MAX_K, MAX_BATCH, MAX_NEW, BLOCK = 3, 4, 10, 8
 TIERS = [1, 2, 3, 4, 8, 12, 16]

@@ -8,18 +8,18 @@ import math
 import pytest
 import torch
 
-from spectune.autotune import bench
-from spectune.autotune.bench import bench_tiers, exact_float32, parse_arms, weighted_quantile
-from spectune.autotune.bench_accounting import (
+from spectune.autotune.report import load_inputs
+from spectune.cli import main
+from spectune.engine import bench
+from spectune.engine.bench import bench_tiers, exact_float32, parse_arms, weighted_quantile
+from spectune.engine.bench_accounting import (
     NEAR_TIE,
     NearTie,
     accept_scale_for,
     classify_mismatches,
     mismatches,
 )
-from spectune.autotune.report import load_inputs
-from spectune.cli import main
-from tests.runtime.test_engine import write_policy
+from tests.engine.test_engine import write_policy
 
 ARGS = ["--concurrency", "1,2", "--arms", "plain,fixed:2,auto", "--prompts", "3", "--max-new-tokens", "8",
         "--prompt-len", "9", "--device", "cpu", "--no-progress"]
@@ -108,7 +108,7 @@ def test_bench_tiers_hold_every_full_batch_step():
 
 
 def _plain(outputs, margins, top1):
-    from spectune.runtime.engine import RunResult
+    from spectune.engine.engine import RunResult
 
     n = len(outputs)
     return RunResult(outputs=outputs, done=[True] * n, ttft_ms=[0.0] * n, itl_ms=[], itl_tokens=[], k_hist={},

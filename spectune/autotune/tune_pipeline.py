@@ -8,12 +8,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spectune.autotune.acceptance import AcceptanceModel, default_acceptance, load_acceptance
-from spectune.autotune.search import DEFAULT_SMOOTH, Objective, SearchResult, search_policy
+from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
+from spectune.autotune.policy_search import DEFAULT_SMOOTH, Objective, SearchResult, search_policy
 from spectune.autotune.simulator import FixedK, SimResult, simulate
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, Planner
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import Table
 
 DEFAULT_TRIALS = 40
@@ -100,14 +100,6 @@ def search_online(table: Table, acceptance: AcceptanceModel, concurrencies: Sequ
     if best is None:
         raise SpectuneError(f"policy.online: no grid point keeps stationary goodput >= {STATIONARY_FLOOR} x the table")
     return best
-
-
-def resolve_acceptance(acceptance: str | AcceptanceModel | None, max_k: int) -> AcceptanceModel:
-    if acceptance is None:
-        return default_acceptance(max_k)
-    if isinstance(acceptance, str):
-        return load_acceptance(acceptance, max_k=max_k)
-    return acceptance
 
 
 def cost_model(profile: Table) -> CostModel:

@@ -1,12 +1,12 @@
 import pytest
 
 from spectune.autotune.acceptance import AcceptanceModel
-from spectune.autotune.search import SearchError, capture_costs, search_policy, tier_universe
-from spectune.autotune.tuner import tune_table
+from spectune.autotune.policy_search import SearchError, capture_costs, search_policy, tier_universe
+from spectune.autotune.tune_pipeline import tune_table
 from spectune.cli import main
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Planner
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import CapturePoint, read_table, write_table
 from tests.tables import make_params, make_profile, make_workload
 
@@ -121,7 +121,7 @@ class TableOnly:
 
 def test_policy_tuned_on_the_mixture_beats_every_fixed_k(hetero_table):
     from spectune.autotune.simulator import Mixture, expected_tokens
-    from spectune.autotune.tuner import cost_model
+    from spectune.autotune.tune_pipeline import cost_model
     from spectune.runtime.planner import step_ms
 
     cost, mix = cost_model(hetero_table), Mixture.of(HETERO)
@@ -144,7 +144,7 @@ def test_online_prior_is_the_inflight_curve(hetero_table):
 @pytest.mark.parametrize("b", [1, 4, 16])
 def test_online_correction_keeps_stationary_goodput(hetero_table, b):
     from spectune.autotune.simulator import simulate
-    from spectune.autotune.tuner import cost_model
+    from spectune.autotune.tune_pipeline import cost_model
 
     cost = cost_model(hetero_table)
     kw = dict(concurrency=b, steps=1500, seed=11, mean_output_tokens=64.0)
@@ -155,7 +155,7 @@ def test_online_correction_keeps_stationary_goodput(hetero_table, b):
 
 def test_online_correction_follows_a_collapse(hetero_table):
     from spectune.autotune.simulator import simulate
-    from spectune.autotune.tuner import cost_model
+    from spectune.autotune.tune_pipeline import cost_model
 
     cost = cost_model(hetero_table)
     kw = dict(concurrency=16, steps=1500, seed=3, mean_output_tokens=64.0, accept_scale=0.3)
@@ -170,7 +170,7 @@ def test_online_correction_follows_a_collapse(hetero_table):
 def test_online_settings_searched_under_drift(hetero_table, monkeypatch, tmp_path):
     import math
 
-    from spectune.autotune import tuner
+    from spectune.autotune import tune_pipeline as tuner
 
     kw = dict(scales=(1.0, 0.5), steps=250, seed=5, mean_output_tokens=64.0)
     monkeypatch.setattr(tuner, "ONLINE_GRID", {"ema": (0.05, 0.2), "hysteresis": (0.1, 0.02), "min_evidence": (256.0, 64.0)})
@@ -190,7 +190,7 @@ def test_online_settings_searched_under_drift(hetero_table, monkeypatch, tmp_pat
 
 
 def test_tune_stores_searched_online_settings(tmp_path, monkeypatch):
-    from spectune.autotune import tuner
+    from spectune.autotune import tune_pipeline as tuner
 
     monkeypatch.setattr(tuner, "ONLINE_GRID", {"ema": (0.05, 0.2), "hysteresis": (0.1,), "min_evidence": (64.0,)})
     res = tuner.tune(_profile(SMALL, 8, 7), HETERO, trials=2, online=True)

@@ -50,8 +50,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from spectune.kernels.meta import AttnMeta
-from spectune.runtime.engine_run import (
+from spectune.engine.prefill import PrefillGraphs, schedule
+from spectune.engine.replay_drafter import DraftGraphs, DraftInput, Proposer
+from spectune.engine.run_log import (
     MarginTap,
     Marks,
     Request,
@@ -59,10 +60,9 @@ from spectune.runtime.engine_run import (
     RunResult,
     StepCopy,
 )
+from spectune.errors import SpectuneError
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.runtime.planner import Plan
-from spectune.runtime.prefill import PrefillGraphs, schedule
-from spectune.runtime.replay_drafter import DraftGraphs, DraftInput, Proposer
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepOutput
 
 TRASH_BLOCK = 0  # KV block no request owns: unused block-table entries (and overruns) point here

@@ -7,12 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectune.autotune.bench import TorchPagedAttention
-from spectune.kernels.meta import AttnMeta
+from spectune.engine.bench import TorchPagedAttention
+from spectune.engine.prefill import PrefillGraphs, default_buckets, schedule
+from spectune.engine.run_log import top2_margin
+from spectune.kernels.attention_metadata import AttnMeta
+from spectune.models.build import build_models
 from spectune.models.config import ModelArgs, parse_drafter
-from spectune.models.shapes import build_models
-from spectune.runtime.engine_run import top2_margin
-from spectune.runtime.prefill import PrefillGraphs, default_buckets, schedule
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ import platform
 import torch
 
 from spectune import __version__
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 from spectune.runtime.table import Hardware, Software
 
 

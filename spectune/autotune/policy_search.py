@@ -41,9 +41,9 @@ import optuna
 
 from spectune.autotune.acceptance import AcceptanceModel
 from spectune.autotune.simulator import Mixture, expected_tokens, inflight_weights
+from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import smallest_tier, step_ms
-from spectune.runtime.schema import SpectuneError
 from spectune.runtime.table import CapturePoint, Online, Policy, Row
 
 Objective = Literal["goodput", "energy", "latency"]

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from spectune.errors import SpectuneError
 from spectune.models.specdecode import Draft, crop_cache, forward_cached
-from spectune.runtime.schema import SpectuneError
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

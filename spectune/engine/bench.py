@@ -3,7 +3,7 @@
 One target (random weights, real shapes) and one engine serve every (concurrency, arm): target
 graphs are captured once per tier, drafter graphs once per (rows, K). Per concurrency the plain arm
 runs first; its greedy outputs are each request's reference continuation, which the replay
-drafter (``spectune.runtime.replay_drafter``) corrupts per a sampled acceptance row, while the real
+drafter (``spectune.engine.replay_drafter``) corrupts per a sampled acceptance row, while the real
 drafter runs for its cost. Method and defaults: docs/BENCH_METHOD.md.
 
 Per (concurrency, arm): a warm-up run (the first ``concurrency`` requests, a few tokens each, not
@@ -35,8 +35,14 @@ import numpy as np
 import torch
 
 from spectune import __version__
-from spectune.autotune.acceptance import AcceptanceModel, Component, extend_conditional
-from spectune.autotune.bench_accounting import (
+from spectune.autotune.acceptance import (
+    AcceptanceModel,
+    Component,
+    extend_conditional,
+    resolve_acceptance,
+)
+from spectune.autotune.hardware import hardware_facts, parse_device, software_facts
+from spectune.engine.bench_accounting import (
     NEAR_TIE,
     NearTie,
     Prediction,
@@ -44,15 +50,14 @@ from spectune.autotune.bench_accounting import (
     predict_decode,
     ratio_minus_one,
 )
-from spectune.autotune.facts import hardware_facts, parse_device, software_facts
-from spectune.autotune.tuner import resolve_acceptance
+from spectune.engine.engine import KV_SLACK, Engine, Policy, Request, RunResult
+from spectune.engine.replay_drafter import ReplayDrafter
+from spectune.errors import SpectuneError
+from spectune.io import atomic_write_text
 from spectune.kernels.attention import verify_attention_ref
+from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
-from spectune.kernels.meta import AttnMeta
-from spectune.runtime.engine import KV_SLACK, Engine, Policy, Request, RunResult
 from spectune.runtime.planner import Plan, Planner, load, smallest_tier
-from spectune.runtime.replay_drafter import ReplayDrafter
-from spectune.runtime.schema import SpectuneError, atomic_write_text
 
 DEFAULT_ARMS = ("plain", "fixed:3", "fixed:7", "auto")
 
@@ -239,10 +244,10 @@ class Setup:
 
 def build(config: BenchConfig, planner: Planner, device: torch.device, concurrency: Sequence[int],
           arms: Sequence[str], n_requests: int, prompt_len: int, max_new: int) -> Setup:
+    from spectune.models.build import build_models, fit_cache, fit_paged_cache
     from spectune.models.config import parse_drafter, resolve_target
     from spectune.models.decisive import DecisiveLogits
     from spectune.models.paged import PagedTritonAttention
-    from spectune.models.shapes import build_models, fit_cache, fit_paged_cache
 
     table, cuda = planner.table, device.type == "cuda"
     args = resolve_target(config.target or (table.workload.target if cuda else "tiny"))

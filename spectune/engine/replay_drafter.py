@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from spectune.runtime.schema import SpectuneError
+from spectune.errors import SpectuneError
 
 
 class DraftError(SpectuneError):

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spectune.kernels.meta import AttnMeta
-from spectune.runtime.engine_run import top2_margin
+from spectune.engine.run_log import top2_margin
+from spectune.kernels.attention_metadata import AttnMeta
 
 # target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
 TargetFn = Callable[[Tensor, Tensor, AttnMeta], Tensor]
