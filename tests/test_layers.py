@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,9 @@ def test_import_contracts_hold() -> None:
     exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
     if not Path(exe).exists():
         pytest.fail("lint-imports not installed (pip install -e '.[test]')")
-    res = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package, not another install
+    res = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "KEPT" in res.stdout and "BROKEN" not in res.stdout
 
