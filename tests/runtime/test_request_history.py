@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from spectune.runtime.request_history import REQUEST_SHRINK, request_confidences, expected_accepts
+from spectune.runtime.request_history import REQUEST_SHRINK, expected_accepts, request_confidences
 
 
 def test_new_request_gets_the_population_rates() -> None:
