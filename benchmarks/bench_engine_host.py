@@ -75,7 +75,7 @@ acceptance:
 policy:
   tiers: [6, 12, 16, 20, 28, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160,
           168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256]
-  online: {{ema: 0.05, hysteresis: 0.1, min_k: 1, max_k: 8, min_evidence: 256.0, prior: {PRIOR}}}
+  online: {{min_k: 0, max_k: 8, prior: {PRIOR}}}
   rows:
   - {{batch: [1, 2], k: 5, verify_budget: 10}}
   - {{batch: [3, 50], k: 4, verify_budget: 200}}

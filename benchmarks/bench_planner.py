@@ -1,4 +1,6 @@
-"""CPU microbenchmark of Planner.plan(): microseconds per call over every batch size."""
+"""CPU microbenchmark of the planner's host time: ``plan()`` alone over every batch size, and a
+server step (``plan`` + ``observe`` of K-position counters, the controller deciding every
+``decide_every`` steps) at K = 15 with acceptance that shifts, so the controller works."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+from spectune.io import atomic_write_text
 from spectune.runtime.planner import Planner, load
 from spectune.runtime.table import (
     SCHEMA,
@@ -32,10 +35,28 @@ def synthetic_table(max_batch: int = 256) -> Table:
     rows = [Row((1, 32), 4, 128, tier=160, budget_mode="fill-tier"), Row((33, 64), 2, 128),
             Row((65, max_batch), 0, 0)]
     tiers = sorted({*range(8, max_batch + 1, 8), 160, 192})
-    pol = Policy(tiers, rows, Online(0.05, 0.1, 1, 15, [0.8] * 15))
+    pol = Policy(tiers, rows, Online(min_k=0, max_k=15, prior=[0.8] * 15))
     return Table(SCHEMA, Hardware("cpu"), Software("0.1.0", "x"),
                  Workload("qwen3-8b", "eagle-1l", "autoregressive", 1, "bfloat16", 2048, 15, max_batch),
                  Costs(params, CostError(1, 0.0, 0.0)), policy=pol)
+
+
+def step_us(planner: Planner, steps: int, batch_sizes: list[int]) -> tuple[float, int]:
+    """Microseconds per server step (plan then observe), and how many plans changed online."""
+    planner.reset_online()
+    k = planner.k_hi
+    counters = []
+    for j in range(64):  # precomputed counters: acceptance alternating 0.9 / 0.3 every 16 steps
+        a = 0.9 if (j // 16) % 2 == 0 else 0.3
+        tested = [32.0 * a ** i for i in range(k)]
+        counters.append(([t * a for t in tested], tested))
+    plan, observe = planner.plan, planner.observe
+    t0 = time.perf_counter()
+    for i in range(steps):
+        plan(batch_sizes[i % len(batch_sizes)])
+        observe(*counters[i % 64])
+    us = (time.perf_counter() - t0) / steps * 1e6
+    return us, len(planner.choices())
 
 
 def main() -> None:
@@ -51,10 +72,18 @@ def main() -> None:
     for b in sizes:
         plan(b)
     us = (time.perf_counter() - t0) / args.calls * 1e6
-    print(f"{'calls':>10} {'us/call':>8}\n{args.calls:>10} {us:>8.3f}")
+    steps = max(1000, args.calls // 10)
+    fixed_b, fixed_changed = step_us(planner, steps, [min(32, planner.max_batch)])
+    var_b, var_changed = step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)])
+    print(f"{'what':<44} {'us':>8}")
+    print(f"{'plan() per call':<44} {us:>8.3f}")
+    print(f"{'plan+observe per step, batch 32, K<=15':<44} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
+    print(f"{'plan+observe per step, batch varies':<44} {var_b:>8.3f}   ({var_changed} plans moved)")
     out = Path(__file__).parent / "results" / "bench_planner.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"calls": args.calls, "us_per_call": us, "max_batch": planner.max_batch}, indent=1))
+    atomic_write_text(out, json.dumps({"calls": args.calls, "us_per_call": us, "max_batch": planner.max_batch,
+                                       "max_k": planner.k_hi, "decide_every": planner.online.decide_every,
+                                       "step_us_fixed_batch": fixed_b, "step_us_varying_batch": var_b}, indent=1))
 
 
 if __name__ == "__main__":

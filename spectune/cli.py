@@ -161,7 +161,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="mean context per request (prompt + half the output) of the traffic to serve "
                         "(default: the profile's context length)")
     p.add_argument("--search-online", action="store_true",
-                   help="pick the online correction (EMA weight, hysteresis, min evidence) from a small grid by "
+                   help="pick the online controller (estimate window, margin, min evidence) from a small grid by "
                         "simulated goodput under acceptance drift x0.6 / x1.2 and stationary traffic")
     p.set_defaults(func=cmd_tune)
 
@@ -198,7 +198,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if res.online is not None:
         o = res.online
         drift = "  ".join(f"x{sc:g}@{b}: {r:.3f}" for (sc, b), r in sorted(o.ratios.items()))
-        print(f"online: ema {o.ema:g}, hysteresis {o.hysteresis:g}, min_evidence {o.min_evidence:g} "
+        print(f"online: window {o.window:g}, margin {o.margin:g}, min_evidence {o.min_evidence:g} "
               f"({o.evaluated} settings simulated); goodput / table alone: {drift}")
     if s.front:
         print("pareto front (gain vs plain, J/token vs plain, step ms vs plain):")
@@ -262,8 +262,8 @@ def _show_lines(t) -> list[str]:
         lines.append(f"infeasible points: {len(bad)} (largest batch {max(p.batch for p in bad)})")
     if t.policy is not None:
         pol = t.policy
-        lines.append(f"policy ({pol.objective}): tiers {pol.tiers}, online ema={pol.online.ema}, "
-                     f"hysteresis={pol.online.hysteresis}")
+        lines.append(f"policy ({pol.objective}): tiers {pol.tiers}, online window={pol.online.window:g} "
+                     f"drafts, margin={pol.online.margin:g}, z={pol.online.z:g}")
         for r in pol.rows:
             gain = f"{r.gain:.3f}x" if r.gain is not None else "-"
             tier = r.tier if r.tier is not None else "-"

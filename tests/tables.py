@@ -46,7 +46,7 @@ def make_workload(max_k: int, max_batch: int, **fields: Any) -> Workload:
 
 
 def make_policy(tiers: Iterable[int], rows: Iterable[Row], **online: Any) -> Policy:
-    """``online``: the Online fields (ema and hysteresis at least)."""
+    """``online``: Online fields over their defaults."""
     return Policy(tiers=list(tiers), rows=list(rows), online=Online(**online))
 
 

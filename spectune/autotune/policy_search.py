@@ -25,12 +25,15 @@ Objectives (per b, then averaged over b against the all-tiers optimum):
   ms bounds every inter-token latency of that step, so it is a safe p99 proxy).
 ``pareto``: NSGA-II over the tier set, an energy weight and a step-ms cap; objectives mean gain
 vs plain (max), mean J/token vs plain (min), mean step ms vs plain (min, p99 proxy).
-Online correction settings start at ``DEFAULT_ONLINE`` (``tuner.search_online`` picks them by
-simulated drift when asked); the online prior is the in-flight mean curve (``live_prior``).
+The online controller starts from ``Online``'s defaults (``tune_pipeline.search_online`` picks them
+by simulated drift when asked); its prior is the in-flight mean curve (``live_prior``). Tiers: the
+rows' tiers plus those the controller needs if acceptance is the tuned curve scaled by
+``ADAPT_SCALES`` (``room_tiers``), as far as the capture budget allows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +50,9 @@ from spectune.runtime.planner import smallest_tier, step_ms
 from spectune.runtime.table import CapturePoint, Online, Policy, Row
 
 Objective = Literal["goodput", "energy", "latency"]
-DEFAULT_ONLINE = {"ema": 0.05, "hysteresis": 0.1, "min_k": 1, "min_evidence": 256.0}
+# acceptance the captured tiers leave room for: the tuned conditional rates scaled by these (the
+# online controller can only run shapes that have a graph)
+ADAPT_SCALES = (0.7, 0.85, 1.15, 1.3)
 # smoothing tolerance: a run of batch sizes takes its neighbour's K when that costs less than this
 # fraction of predicted goodput at every batch size of the run (see ``smooth_choices``)
 DEFAULT_SMOOTH = 0.005
@@ -452,14 +457,79 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
         if c.k > 0:
             break
         cutoff = c.batch
-    online = Online(DEFAULT_ONLINE["ema"], DEFAULT_ONLINE["hysteresis"], min_k=int(DEFAULT_ONLINE["min_k"]),
-                    max_k=max_k, prior=live_prior(acceptance, choices, max_k),
-                    min_evidence=DEFAULT_ONLINE["min_evidence"])
-    policy = Policy(tiers=used, rows=rows_from_choices(choices, used), online=online,
+    room = room_tiers(cost, acceptance, max_batch=max_batch, max_k=max_k, universe=uni)
+    used = add_room(used, room, uni, mib, sec, budget)
+    used_idx = [uni.index(t) for t in used]
+    online = Online(min_k=0, max_k=max_k, prior=live_prior(acceptance, choices, max_k),
+                    adapt_range=(min(ADAPT_SCALES), max(ADAPT_SCALES)))
+    rows = [dataclasses.replace(r, tokens=row_tokens(mix_of(acceptance, max_k), r, max_k))
+            for r in rows_from_choices(choices, used)]
+    policy = Policy(tiers=used, rows=rows, online=online,
                     objective="pareto" if pareto else objective)
     raw_used = sorted({c.tier for c in raw})
     return SearchResult(policy, choices, float(mib[used_idx].sum()), float(sec[used_idx].sum()), cutoff,
                         len(study.trials), front, loss, len(rows_from_choices(raw, raw_used)))
+
+
+def mix_of(acceptance: AcceptanceModel, max_k: int) -> Mixture:
+    return Mixture.of(acceptance, max(max_k, 1))
+
+
+def row_tokens(mix: Mixture, row: Row, max_k: int) -> list[float]:
+    """Expected emitted tokens per request per step at K = 0..max_k, full budget, at the row's
+    middle batch size, over the in-flight mix (what the online controller calibrates to)."""
+    b = (row.batch[0] + row.batch[1]) // 2
+    out = [1.0]
+    for k in range(1, max_k + 1):
+        t = float(expected_tokens(mix, b, k, [b * k], inflight=True)[0]) / b
+        out.append(round(min(max(t, out[-1]), out[-1] + 1.0), 5))
+    return out
+
+
+def room_tiers(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: int, max_k: int,
+               universe: Sequence[int], scales: Sequence[float] = ADAPT_SCALES) -> dict[int, int]:
+    """Tiers the online controller needs if the traffic's acceptance is the tuned mean curve
+    scaled by each of ``scales``: per scale and batch size, the best K with its full budget b*K
+    (homogeneous requests) in the smallest universe tier holding b*(K+1). Returns tier -> how
+    many (scale, batch) optima use it. Plain decoding's tier at every batch size is always
+    included (K = 0 is the controller's choice wherever drafting stops paying, and a plain step
+    pays for its padding like any other)."""
+    need: dict[int, int] = {}
+    for b in range(1, max_batch + 1):
+        tier = smallest_tier(universe, b)
+        if tier is not None:
+            need[tier] = need.get(tier, 0) + 1
+    base = np.array(acceptance.mean_conditional()[:max_k] or (0.0,), dtype=float)
+    base = np.pad(base, (0, max(0, max_k - len(base))), mode="edge")
+    for scale in scales:
+        surv = np.cumprod(np.clip(base * scale, 0.0, 1.0))
+        extra = np.concatenate([[0.0], np.cumsum(surv)])  # [max_k + 1] expected accepted drafts at K
+        for b in range(1, max_batch + 1):
+            best, best_tier = -1.0, None
+            for k in range(max_k + 1):
+                tier = smallest_tier(universe, b * (k + 1))
+                if tier is None:
+                    break
+                g = b * (1.0 + extra[k]) / step_ms(cost, b, k, tier)
+                if g > best:
+                    best, best_tier = g, tier
+            if best_tier is not None:
+                need[best_tier] = need.get(best_tier, 0) + 1
+    return need
+
+
+def add_room(used: Sequence[int], room: dict[int, int], universe: Sequence[int], mib: np.ndarray,
+             sec: np.ndarray, budget: Budget) -> list[int]:
+    """``used`` plus the tiers of ``room``, the most needed first, while the capture budget holds."""
+    out = set(used)
+    for tier in sorted(room, key=lambda t: (-room[t], t)):
+        if tier in out:
+            continue
+        trial = out | {tier}
+        idx = [universe.index(t) for t in trial]
+        if budget.excess(float(mib[idx].sum()), float(sec[idx].sum())) == 0:
+            out = trial
+    return sorted(out)
 
 
 def live_prior(acceptance: AcceptanceModel, choices: list[Choice], max_k: int) -> list[float]:

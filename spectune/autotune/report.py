@@ -250,8 +250,8 @@ def _table_blocks(t: TableInput, images: dict[str, bytes]) -> list[Block]:
             tuple(((f"{r.batch[0]}-{r.batch[1]}", False), (str(r.k), False), (str(r.verify_budget), False),
                    (MISSING if r.tier is None else str(r.tier), False),
                    (MISSING if r.gain is None else f"{r.gain:.3f}x", False)) for r in tab.policy.rows), ""),
-            Para(f"tiers: {', '.join(map(str, tab.policy.tiers))}; online: ema {tab.policy.online.ema}, "
-                 f"hysteresis {tab.policy.online.hysteresis}; objective: {tab.policy.objective}")]
+            Para(f"tiers: {', '.join(map(str, tab.policy.tiers))}; online: window {tab.policy.online.window:g} drafts, "
+                 f"margin {tab.policy.online.margin:g}; objective: {tab.policy.objective}")]
     png = rp.cost_png(tab)
     if png is not None:
         images[f"{t.slug}_costs.png"] = png

@@ -4,34 +4,67 @@
 drafter does not run), the verify budget B (draft tokens checked this step over all requests)
 and the captured tier to replay (smallest tier >= b + B).
 
-``observe(accepted_per_pos, offered_per_pos)`` takes the device's acceptance counters of the
-previous step (host copies, one step late) and keeps count-weighted EMA sums of them (each step
-decays the sums by ``1 - online.ema`` and adds its counts, so a step that tested more drafts
-weighs more). From them it estimates the live conditional rates: a pooled drift ratio
-``rho = sum(accepted) / sum(tested * prior)`` scales the prior, and each position's own counts
-pull its rate away from ``prior * rho`` as they grow (shrinkage with ``SHRINK`` pseudo-drafts).
-K leaves the table's value only when
-  - the EMA holds at least ``online.min_evidence`` tested first-position drafts (about
-    batch / ema: one request's class must not pass for a drift of the whole traffic), and
-  - the cost model predicts, under the estimated rates, a goodput gain above ``online.hysteresis``
-    for the new K over the table's K.
-The new K moves by as much as the optimum of the homogeneous estimate moved from the optimum of
-the prior (the table's K already folds in the request mixture and the allocation rule), never to
-a shape that has no captured tier; when the evidence or the predicted gain is gone, K returns to
-the table's value. In a stationary workload the estimate stays at the prior, so K stays put.
-
-Counters, per draft position i = 0..len-1 (position i + 1 in the survival words):
-  offered_per_pos[i]:  drafts at position i + 1 that were tested (granted, and position i accepted)
+The online controller closes the loop. ``observe(accepted_per_pos, tested_per_pos)`` takes the
+device's acceptance counters of the previous step (host copies, one step late):
+  tested_per_pos[i]:   drafts at position i + 1 that were tested (granted, and position i accepted)
   accepted_per_pos[i]: of those, how many were accepted
-so accepted / offered is the conditional acceptance a_{i+1}.
+so accepted / tested is the conditional acceptance a_{i+1}. Acceptance does not depend on the
+batch size, so the evidence is pooled over every batch size; the decisions stay per batch size.
 
-Batch sizes above the table's range reuse the last row, with the budget cut to fit the largest
-tier (counted in ``Planner.clamped``); a batch larger than the largest tier gets ``tier=None``
-(no captured graph: the caller runs eager, counted in ``Planner.uncaptured``).
+Estimate (counts decay by 1 - 1/window per observed step: about the last ``online.window``
+steps, so the estimate describes the requests in flight now -- a window counted in drafts would
+keep a long-gone request's deep positions, which the traffic now in flight no longer reaches):
+  rho    = (sum_i A_i + d) / (sum_i T_i * prior_i + d)           pooled drift of the whole curve
+  a_i    = (A_i + m * min(1, prior_i * rho)) / (T_i + m)        each position's own counts pull
+                                                               it away from the drifted prior
+  se_i   = sqrt(phi * a_i (1 - a_i) / (T_i + m)),  a_i^-/+ = a_i -/+ z * se_i
+with m = ``SHRINK`` pseudo-drafts and d = ``DRIFT_SHRINK`` pseudo-accepts (as the counts decay
+without new drafts the estimate returns to the prior and its bounds widen). Positions never tested (deeper than any K run so far) follow
+the drifted prior with the prior's uncertainty.
+
+Decision for batch b (every ``online.decide_every`` observed steps, for the batch last planned):
+candidates are every K in [min_k, max_k] (K = 0 included) with every verify budget that fills a
+captured tier (b*K if a tier holds it, else the largest tier that does not), each with its step
+time from the cost model precomputed at load. Expected tokens of a candidate under rates a are
+the uniform-spread count ``b + b * S_q + r * s_{q+1}`` (q, r = divmod(B, b); the device ranks by
+per-request confidences, which can only do better). The controller moves from the current
+choice to the candidate whose *lower bound* of the gain -- the smaller goodput ratio under a^-
+and a^+ -- is largest, when that bound exceeds 1 + ``online.margin``.
+
+Calibration: requests differ, and the pooled conditional rates of a mixture mis-rank K (easy
+requests reach the deep positions, and the in-flight mix itself moves with K). The tuner's exact
+in-flight mixture model predicted each row's tokens per request at every K (``Row.tokens``); the
+controller multiplies its prediction for a shape by f(K) = tokens_row(K) / (1 + S_K(prior))
+(interpolated at B / b drafts per request), so at the tuned prior it ranks shapes exactly as the
+tuner did, and under drift it scales the tuned mixture's shape by the measured rates. Before ``min_evidence``
+tested first-position drafts, nothing moves. Every choice is a plan of its own batch
+size, so a changed K is always a captured shape for the batch it is applied to.
+
+Exploration (optimism under uncertainty): every ``probe_every``-th step runs the candidate that
+is best under a^+ if that beats the current choice under a^+ -- a shape that could be better
+given what is known. Deeper positions get tested, so K can climb past positions no shape has
+tested yet, and a batch size at K = 0 keeps drafting now and then, so K = 0 is a choice like any
+other and is left again. Once the estimate is sure the choice is best, no probe runs; as the
+counts decay without new drafts, the bounds widen and probing resumes by itself. Before any
+decision, a batch size the table runs at K = 0 probes K = 1.
+
+A change detector compares a fast window (``change_window`` steps) with the estimate:
+    D = (A_fast - sum_i T_fast_i a_i) / sqrt(sum_i T_fast_i a_i (1 - a_i))
+and D^2 > ``change_z``^2 * phi empties the estimate (``Planner.changes`` counts the resets): the new
+traffic's pooled drift then scales the prior at every position, also at positions the old counts
+would have kept stale because a lower acceptance no longer tests them. phi, the running mean of
+D^2 on steps without a change (>= 1), is the overdispersion: requests differ, and when few of them
+are in the window (batch 1) they move the estimate far more than binomial noise; phi widens the
+bounds and the change test by as much.
+
+Batch sizes above the table's range reuse the last batch size's choice, with the budget cut to
+fit the largest tier (counted in ``Planner.clamped``); a batch larger than the largest tier gets
+``tier=None`` (no captured graph: the caller runs eager, counted in ``Planner.uncaptured``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from bisect import bisect_left
@@ -45,6 +78,10 @@ from spectune.runtime.table import Row, Table, read_table
 
 OnMismatch = Literal["warn", "refuse", "ignore"]
 SHRINK = 32.0  # pseudo-drafts at prior * drift per position in the online rate estimate
+DRIFT_SHRINK = 4.0  # pseudo-expected accepts at drift 1: with no evidence the estimate is the prior
+PHI_WEIGHT = 0.05  # weight of one decision's D^2 in the overdispersion estimate phi
+MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the change test runs
+DEFAULT_PRIOR = 0.7  # conditional acceptance per position when a table records no prior
 
 
 class PolicyMismatch(SpectuneError):
@@ -100,145 +137,288 @@ def expected_tokens_uniform(accept: Sequence[float], batch: int, budget: int) ->
 
 
 class Planner:
-    """Flat lookup ``batch -> Plan`` per row and K, plus the online K correction."""
+    """Flat lookup ``batch -> Plan`` (the table's rows, then the controller's choices), plus the
+    online controller."""
 
     def __init__(self, table: Table, *, file: str | os.PathLike[str] | None = None):
         if table.policy is None:
             raise TableError("policy", "missing: this is a cost-only profile (run `spectune tune`)", file)
         self.table = table
         self.policy = table.policy
+        self.online = self.policy.online
         self.tiers: list[int] = list(self.policy.tiers)
         self.max_batch = self.policy.rows[-1].batch[1]
         self.cost = CostModel.of(table)
-        online = self.policy.online
-        self.k_lo = online.min_k
-        self.k_hi = online.max_k if online.max_k is not None else table.workload.max_k
-        self.k_hi = max(self.k_hi, max(r.k for r in self.policy.rows))
+        self._keep = 1.0 - 1.0 / self.online.window  # per-step decay of the estimate's counts
+        self._keep_fast = 1.0 - 1.0 / self.online.change_window
+        self.k_lo = self.online.min_k
+        self.k_hi = self.online.max_k if self.online.max_k is not None else table.workload.max_k
+        self.k_hi = max(self.k_hi, max(r.k for r in self.policy.rows), 1)
+        prior = list(self.online.prior) if self.online.prior else [DEFAULT_PRIOR] * self.k_hi
+        self.prior = (prior + [prior[-1]] * self.k_hi)[: self.k_hi]
         self.clamped = 0
         self.uncaptured = 0
+        self.changes = 0  # change-detector resets
+        self.probes = 0  # probe steps run while a batch size was at K = 0
         self._build_lookup()
-        prior = list(online.prior) if online.prior else [0.7] * max(1, self.k_hi)
-        self.prior = (prior + [prior[-1]] * self.k_hi)[: max(1, self.k_hi)]
+        # before any decision, a batch size the table runs at K = 0 probes K = 1 (full budget)
+        self._first_probe: list[Plan | None] = [
+            None if self._table[b].k else next((p for p, _ in reversed(self._cands[b]) if p.k == 1), None)
+            for b in range(self.max_batch + 1)]
+        # online state (reset_online sets it): per batch the current choice and the probe shape;
+        # decayed counts per position (slow estimate A/T, fast window Af/Tf); rates and bounds
+        self._choice: list[Plan] = []
+        self._probe: list[Plan | None] = []
+        self._A: list[float] = []
+        self._T: list[float] = []
+        self._Af: list[float] = []
+        self._Tf: list[float] = []
+        self._a: list[float] = []
+        self._lo: list[float] = []
+        self._hi: list[float] = []
+        self.drift = 1.0
+        self.phi = 1.0  # overdispersion of the acceptance counts (1 = binomial)
+        self._steps = 0
+        self._since_probe = 0
         self._last_batch: int | None = None
         self.reset_online()
 
     # -- load-time precomputation -------------------------------------------------------------
 
-    def _plan_for(self, row: Row, batch: int, k: int) -> Plan | None:
-        budget = row_budget(row, batch, k)
-        tier = smallest_tier(self.tiers, batch + budget)
-        if tier is None:
-            return None
-        return Plan(k if budget > 0 else 0, budget, tier)
-
     def _build_lookup(self) -> None:
-        # _plans[b][k]: Plan for batch b when its row runs draft length k (None: does not fit)
-        self._row_of: list[int] = [0] * (self.max_batch + 1)
-        self._plans: list[list[Plan | None]] = [[]]
-        for r, row in enumerate(self.policy.rows):
+        # _table[b]: the row's plan at b; _cands[b]: (plan, step ms) of every candidate shape at b
+        self._table: list[Plan] = [Plan(0, 0, None)] * (self.max_batch + 1)
+        self._cands: list[list[tuple[Plan, float]]] = [[] for _ in range(self.max_batch + 1)]
+        self._fac: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]
+        prior_sums = _survival_sums(self.prior)[1]
+        for row in self.policy.rows:
             lo, hi = row.batch
+            # tuned tokens per request at K / this model's at the prior (1 where the row has none)
+            f_row = [1.0] * (self.k_hi + 1)
+            if row.tokens:
+                tok = (list(row.tokens) + [row.tokens[-1]] * self.k_hi)[: self.k_hi + 1]
+                f_row = [t / (1.0 + prior_sums[k]) for k, t in enumerate(tok)]
             for b in range(lo, hi + 1):
-                self._row_of[b] = r
-                ks = range(self.k_hi + 1) if row.k > 0 else range(1)
-                self._plans.append([self._plan_for(row, b, k) for k in ks])
-        self.cur_k: list[int] = [row.k for row in self.policy.rows]
+                budget = row_budget(row, b)
+                tier = smallest_tier(self.tiers, b + budget)
+                self._table[b] = Plan(row.k if budget > 0 else 0, budget, tier)
+                self._cands[b] = self._candidates(b, self._table[b])
+                self._fac[b] = {p: _calibration(f_row, b, p.verify_budget) for p, _ in self._cands[b]}
+
+    def _candidates(self, b: int, table_plan: Plan) -> list[tuple[Plan, float]]:
+        """Step shapes at batch b that no other shape dominates (same tokens for less time):
+        plain decoding; per K, its full budget b*K in the smallest tier that holds it; per tier t
+        that b*k_hi overfills, the budget t - b that fills it with the smallest K that offers it
+        (tokens depend on the budget only, and a larger K pays more drafter time)."""
+        plans = {table_plan} if table_plan.tier is not None else set()
+        if self.k_lo == 0:
+            tier = smallest_tier(self.tiers, b)
+            if tier is not None:
+                plans.add(Plan(0, 0, tier))
+        for k in range(max(1, self.k_lo), self.k_hi + 1):
+            full = smallest_tier(self.tiers, b + b * k)
+            if full is not None:
+                plans.add(Plan(k, b * k, full))
+        for tier in self.tiers:
+            budget = tier - b
+            k = max(self.k_lo, 1, -(-budget // b))
+            if budget > 0 and k <= self.k_hi and budget < b * k:
+                plans.add(Plan(k, budget, tier))
+        return sorted(((p, step_ms(self.cost, b, p.k, p.tier)) for p in plans if p.tier is not None),
+                      key=lambda pm: (pm[0].k, pm[0].verify_budget))
 
     # -- per step -------------------------------------------------------------------------------
 
     def plan(self, batch_size: int) -> Plan:
         self._last_batch = batch_size
         if 0 < batch_size <= self.max_batch:
-            p = self._plans[batch_size][self.cur_k[self._row_of[batch_size]]]
-            if p is not None:
-                return p
+            probe = self._probe[batch_size]
+            if probe is not None and self._probe_due():
+                return probe
+            return self._choice[batch_size]
         return self._plan_outside(batch_size)
+
+    def _probe_due(self) -> bool:
+        if not self.online.probe_every:
+            return False
+        self._since_probe += 1
+        if self._since_probe < self.online.probe_every:
+            return False
+        self._since_probe = 0
+        self.probes += 1
+        return True
 
     def _plan_outside(self, batch_size: int) -> Plan:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.clamped += 1
-        row = self.policy.rows[-1]
-        k = self.cur_k[-1]
-        budget = max(0, min(row_budget(row, batch_size, k), self.tiers[-1] - batch_size))
+        last = self._choice[self.max_batch]
+        k = last.k
+        budget = max(0, min(batch_size * k, self.tiers[-1] - batch_size)) if k else 0
         tier = smallest_tier(self.tiers, batch_size + budget)
         if tier is None:
             self.uncaptured += 1
             return Plan(0, 0, None)
         return Plan(k if budget > 0 else 0, budget, tier)
 
-    def observe(self, accepted_per_pos: Any, offered_per_pos: Any) -> None:
+    def observe(self, accepted_per_pos: Any, tested_per_pos: Any) -> None:
         acc = _host_list(accepted_per_pos)
-        off = _host_list(offered_per_pos)
-        keep = 1.0 - self.policy.online.ema
-        n = len(self.prior)
-        for i in range(n):
-            tested = off[i] if i < len(off) else 0.0
-            self._acc[i] = keep * self._acc[i] + (min(acc[i], tested) if i < len(acc) else 0.0)
-            self._off[i] = keep * self._off[i] + tested
-        # pooled drift of the whole curve, then per position: (A_i + m * prior_i * rho) / (O_i + m)
-        expect = sum(o * p for o, p in zip(self._off, self.prior, strict=True))
-        self.drift = sum(self._acc) / expect if expect > 0 else 1.0
-        for i in range(n):
+        off = _host_list(tested_per_pos)
+        n = min(len(acc), len(off), self.k_hi)  # a K = 0 step observes nothing: time still passes
+        keep, fast = self._keep, self._keep_fast
+        pad = [0.0] * (self.k_hi - n)
+        acc = acc[:n] + pad
+        off = off[:n] + pad
+        self._A = [keep * x + a for x, a in zip(self._A, acc, strict=True)]
+        self._T = [keep * x + t for x, t in zip(self._T, off, strict=True)]
+        self._Af = [fast * x + a for x, a in zip(self._Af, acc, strict=True)]
+        self._Tf = [fast * x + t for x, t in zip(self._Tf, off, strict=True)]
+        self._steps += 1
+        if self._steps % self.online.decide_every:
+            return  # host time: estimate, test and decide every decide_every observed steps
+        self._estimate()
+        if self._changed():  # forget the old traffic (its deep positions would stay stale) and
+            self.changes += 1  # its choices: back to the table until the new traffic is measured
+            self._reset_estimate()
+            self._choice = list(self._table)
+            self._probe = list(self._first_probe)
+        self._decide()
+
+    def _estimate(self) -> None:
+        expect = sum(t * p for t, p in zip(self._T, self.prior, strict=True))
+        self.drift = (sum(self._A) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
+        z = self.online.z
+        for i in range(self.k_hi):
             base = min(1.0, self.prior[i] * self.drift)
-            self.ema[i] = (self._acc[i] + SHRINK * base) / (self._off[i] + SHRINK)
-        self._correct_k()
+            n = self._T[i] + SHRINK
+            a = (min(self._A[i], self._T[i]) + SHRINK * base) / n
+            se = math.sqrt(self.phi * max(a * (1.0 - a), 1e-4) / n)
+            self._a[i], self._lo[i], self._hi[i] = a, max(0.0, a - z * se), min(1.0, a + z * se)
+
+    def _changed(self) -> bool:
+        """Change test; also learns the overdispersion ``phi`` = E[D^2] of a stationary stream
+        (requests differ, and a few requests in the window move the estimate more than binomial
+        noise would: at batch 1 the window holds only a handful of them)."""
+        e = v = 0.0
+        for t, a in zip(self._Tf, self._a, strict=True):
+            e += t * a
+            v += t * a * (1.0 - a)
+        if sum(self._Tf) < MIN_CHANGE_DRAFTS or v <= 0.0:
+            return False
+        d2 = (sum(self._Af) - e) ** 2 / v
+        if d2 > self.online.change_z ** 2 * self.phi:
+            return True
+        self.phi = max(1.0, (1.0 - PHI_WEIGHT) * self.phi + PHI_WEIGHT * d2)
+        return False
+
+    def _decide(self) -> None:
+        b = self._last_batch
+        if b is None or not 0 < b <= self.max_batch or not self._cands[b]:
+            return
+        cur = self._choice[b]
+        cur_ms = next((ms for p, ms in self._cands[b] if p is cur or p == cur), None)
+        if cur_ms is None:
+            return
+        sums = [_survival_sums(r) for r in (self._lo, self._a, self._hi)]
+        cur_fac = self._fac[b][cur]
+        tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]
+        need = tok_cur[1] * (1.0 + self.online.margin) / cur_ms  # point-estimate goodput to beat
+        best, best_lb = cur, 1.0 + self.online.margin
+        if self.evidence < self.online.min_evidence:
+            best_lb = math.inf  # too little evidence to move; probes still run
+        probe: Plan | None = None
+        (s_lo, S_lo), (s_mid, S_mid), (s_hi, S_hi) = sums
+        top = len(S_mid) - 1
+        probe_g = tok_cur[2] / cur_ms  # a probe must beat the choice if acceptance is high
+        fac = self._fac[b]
+        for p, ms in self._cands[b]:  # _tokens inlined: this loop is the controller's host time
+            q, r = divmod(p.verify_budget, b)
+            if q >= top:
+                q, r = top, 0
+            c = fac[p]
+            t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
+            if t_hi > probe_g * ms:
+                probe, probe_g = p, t_hi / ms  # optimistic: best under the upper bounds
+            if p is cur or (b + b * S_mid[q] + r * s_mid[q + 1]) * c <= need * ms:
+                continue  # the point estimate's gain is below the margin, so is its lower bound
+            t_lo = (b + b * S_lo[q] + r * s_lo[q + 1]) * c
+            lb = min(t_lo / tok_cur[0], t_hi / tok_cur[2]) * cur_ms / ms
+            if lb > best_lb:
+                best, best_lb = p, lb
+        if best != cur:
+            self._choice[b] = best
+        self._probe[b] = probe if probe != best else None
 
     @property
     def evidence(self) -> float:
-        """Tested first-position drafts in the EMA (count-weighted)."""
-        return self._off[0] if self._off else 0.0
+        """Tested first-position drafts in the estimate (decayed count)."""
+        return self._T[0] if self._T else 0.0
 
-    def _best_k(self, batch: int, rates: Sequence[float]) -> tuple[int, dict[int, float]]:
-        options = self._plans[batch]
-        g = {k: self._goodput(batch, p, rates) for k, p in enumerate(options)
-             if p is not None and self.k_lo <= k <= self.k_hi and p.k == k}
-        return (max(g, key=lambda k: g[k]) if g else -1), g
+    @property
+    def rates(self) -> list[float]:
+        """Live estimate of the conditional acceptance per draft position [max_k] (the table's
+        prior until evidence arrives): what the allocation ranks requests against."""
+        return list(self._a)
 
-    def _correct_k(self) -> None:
-        b = self._last_batch
-        if b is None or not 0 < b <= self.max_batch:
-            return
-        r = self._row_of[b]
-        row_k = self.policy.rows[r].k
-        if row_k == 0:
-            return  # the table says drafting does not pay here; no statistics to correct from
-        online = self.policy.online
-        if self.evidence < online.min_evidence:
-            self.cur_k[r] = row_k
-            return
-        if b not in self._prior_best:
-            self._prior_best[b] = self._best_k(b, self.prior)[0]
-        best_now, g = self._best_k(b, self.ema)
-        if best_now < 0:
-            return
-        want = min(self.k_hi, max(self.k_lo, row_k + best_now - self._prior_best[b]))
-        while want not in g and want > self.k_lo:
-            want -= 1
-        if want not in g:
-            return
-        # leave the table's K only for a predicted gain above the hysteresis
-        base = g.get(row_k)
-        moves = want != row_k and (base is None or g[want] > base * (1.0 + online.hysteresis))
-        self.cur_k[r] = want if moves else row_k
+    @property
+    def rate_bounds(self) -> tuple[list[float], list[float]]:
+        """Lower and upper confidence bounds of ``rates``."""
+        return list(self._lo), list(self._hi)
 
-    def _goodput(self, batch: int, p: Plan, rates: Sequence[float]) -> float:
-        assert p.tier is not None
-        tokens = expected_tokens_uniform(rates, batch, p.verify_budget)
-        return tokens / step_ms(self.cost, batch, p.k, p.tier)
+    def choices(self) -> dict[int, Plan]:
+        """Batch sizes whose plan the controller changed from the table's row, and the plan."""
+        return {b: p for b, p in enumerate(self._choice) if b and p != self._table[b]}
 
     def reset_online(self) -> None:
-        self.cur_k = [row.k for row in self.policy.rows]
-        self.ema = list(self.prior)  # estimated conditional rates per position
-        self.drift = 1.0
-        self._acc: list[float] = [0.0] * len(self.prior)  # count-weighted EMA sums of accepted drafts
-        self._off: list[float] = [0.0] * len(self.prior)  # ... and of tested drafts
-        self._prior_best: dict[int, int] = {}
+        """Forget the live estimate and every online choice: back to the table."""
+        self._choice = list(self._table)
+        self._probe = list(self._first_probe)
+        self._reset_estimate()
+        self._steps = 0
+        self._since_probe = 0
+        self._last_batch = None
+
+    def _reset_estimate(self) -> None:
+        n = self.k_hi
+        self._A, self._T, self._Af, self._Tf = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        self._a, self._lo, self._hi = list(self.prior), [0.0] * n, [1.0] * n
+        self._estimate()
+
+
+def _calibration(f: Sequence[float], batch: int, budget: int) -> float:
+    """The tuned/modelled token ratio ``f`` [max_k + 1] at budget B over b requests: interpolated
+    at B / b drafts per request."""
+    q, r = divmod(budget, batch)
+    if q >= len(f) - 1:
+        return f[-1]
+    return f[q] + (f[q + 1] - f[q]) * r / batch
+
+
+def _survival_sums(rates: Sequence[float]) -> tuple[list[float], list[float]]:
+    """s[j] = prod(a_1..a_j) and S[j] = s_1 + ... + s_j for j = 0..len (s[0] = 1, S[0] = 0);
+    s has one more entry, 0.0, so s[q + 1] exists for every q <= len."""
+    s, S = [1.0], [0.0]
+    for a in rates:
+        s.append(s[-1] * a)
+        S.append(S[-1] + s[-1])
+    s.append(0.0)
+    return s, S
+
+
+def _tokens(sums: tuple[list[float], list[float]], batch: int, budget: int) -> float:
+    """Emitted tokens of ``batch`` like requests sharing ``budget`` drafts evenly (O(1)):
+    b + b * S_q + r * s_{q+1},  q, r = divmod(budget, b)."""
+    s, S = sums
+    q, r = divmod(budget, batch)
+    if q >= len(S) - 1:  # more budget than positions: every request gets all of them
+        q, r = len(S) - 1, 0
+    return batch + batch * S[q] + r * s[q + 1]
 
 
 def _host_list(x: Any) -> list[float]:
-    if hasattr(x, "tolist"):
+    if hasattr(x, "tolist"):  # a host tensor or array (the pinned copy of the device counters)
         x = x.tolist()
-    return [float(v) for v in x]
+    return x if type(x) is list else [float(v) for v in x]
 
 
 def current_gpu_name() -> str | None:

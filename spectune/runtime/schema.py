@@ -103,6 +103,10 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
+    retired = getattr(cls, "RETIRED_KEYS", {})  # keys of older schema versions -> what to do
+    for key in unknown:
+        if key in retired:
+            raise TableError(_join(path, key), retired[key])
     if unknown:
         raise TableError(_join(path, unknown[0]), f"unknown key (allowed: {', '.join(fields)})")
     kwargs = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from spectune.errors import TableError
 from spectune.io import atomic_write_text
@@ -190,6 +190,10 @@ class Row:
     # fill-tier: budget(b) = min(b*k, tier - b) -- every b of the range fills `tier`
     # (verify_budget then records the budget at hi).
     budget_mode: Literal["fixed", "fill-tier"] = "fixed"
+    # expected emitted tokens per request per step at K = 0, 1, ..., max_k with the full budget,
+    # as the tuner predicted them at this row (exact in-flight mixture model, mid-row batch);
+    # the online controller calibrates its homogeneous model to them
+    tokens: list[float] | None = None
 
     def validate(self, path: str) -> None:
         lo, hi = self.batch
@@ -197,6 +201,12 @@ class Row:
         require(self.k >= 0, f"{path}.k", "must be >= 0")
         require(self.verify_budget >= 0, f"{path}.verify_budget", "must be >= 0")
         require(self.k > 0 or self.verify_budget == 0, f"{path}.verify_budget", "must be 0 when k is 0")
+        if self.tokens is not None:
+            require(len(self.tokens) >= 1 and abs(self.tokens[0] - 1.0) < 1e-6, f"{path}.tokens",
+                    "must start with 1.0 (K = 0 emits one token per request)")
+            require(all(self.tokens[i] <= self.tokens[i + 1] + 1e-9 <= self.tokens[i] + 1.0 + 1e-9
+                        for i in range(len(self.tokens) - 1)), f"{path}.tokens",
+                    "must grow by 0..1 per extra draft")
         if self.budget_mode == "fill-tier":
             require(self.tier is not None, f"{path}.tier", "required when budget_mode is fill-tier")
             require(self.tier is None or hi + self.verify_budget <= self.tier, f"{path}.verify_budget",
@@ -205,23 +215,51 @@ class Row:
 
 @dataclass(frozen=True)
 class Online:
-    ema: float  # weight of the newest step in the acceptance EMA, (0, 1]
-    hysteresis: float  # relative goodput gain needed before K moves
+    """The online controller's settings (``runtime/planner.py`` states the maths)."""
+
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        key: "a setting of the spectune 0.1 online correction, replaced by window/margin/z: "
+             "re-run `spectune tune` for this table" for key in ("ema", "hysteresis")}
+
+    # observed steps the acceptance estimate covers: counts decay by 1 - 1/window per step
+    window: float = 256.0
+    # move K only when the lower confidence bound of the predicted goodput gain exceeds this
+    margin: float = 0.01
+    z: float = 1.64  # one-sided confidence (1.64: 95 %) of the rate bounds a move must clear
     min_k: int = 0
     max_k: int | None = None
     prior: list[float] | None = None  # conditional per-position acceptance tuned on, [max_k]
-    # tested drafts the count-weighted EMA must hold before K leaves the table's value; the
-    # EMA holds about (tested drafts per step) / ema, so small batches need longer windows
-    min_evidence: float = 256.0
+    # tested first-position drafts the estimate must hold before K leaves the table's value
+    min_evidence: float = 8.0
+    # every probe_every-th step runs the shape that is best if acceptance is at its upper bound,
+    # when that could beat the current choice (K = 0 is left again, K climbs); 0 = never probe
+    probe_every: int = 16
+    # change detector: a fast window of this many steps is compared with the estimate;
+    # a standardised difference above change_z empties the estimate (the traffic shifted)
+    change_window: float = 32.0
+    change_z: float = 5.0
+    # the controller re-decides a batch size every decide_every observed steps (host time)
+    decide_every: int = 8
+    # acceptance range the captured tiers leave room for: the tuned conditional rates scaled by
+    # [lo, hi] (recorded by the tuner; informative)
+    adapt_range: tuple[float, float] | None = None
 
     def validate(self, path: str) -> None:
-        require(0.0 < self.ema <= 1.0, f"{path}.ema", "must be in (0, 1]")
+        require(self.window > 1.0, f"{path}.window", "must be > 1 (steps)")
+        require(0.0 <= self.margin < 1.0, f"{path}.margin", "must be in [0, 1)")
+        require(0.0 <= self.z <= 10.0, f"{path}.z", "must be in [0, 10]")
         require(self.min_evidence >= 0.0, f"{path}.min_evidence", "must be >= 0")
-        require(0.0 <= self.hysteresis < 1.0, f"{path}.hysteresis", "must be in [0, 1)")
+        require(self.probe_every >= 0, f"{path}.probe_every", "must be >= 0")
+        require(self.change_window > 1.0, f"{path}.change_window", "must be > 1 (steps)")
+        require(self.change_z > 0.0, f"{path}.change_z", "must be > 0")
+        require(self.decide_every >= 1, f"{path}.decide_every", "must be >= 1")
         require(self.min_k >= 0, f"{path}.min_k", "must be >= 0")
         require(self.max_k is None or self.max_k >= self.min_k, f"{path}.max_k", "must be >= min_k")
         if self.prior is not None:
             require(all(0.0 <= a <= 1.0 for a in self.prior), f"{path}.prior", "must be in [0, 1]")
+        if self.adapt_range is not None:
+            lo, hi = self.adapt_range
+            require(0.0 < lo <= 1.0 <= hi, f"{path}.adapt_range", f"must be [lo, hi] with 0 < lo <= 1 <= hi, got [{lo}, {hi}]")
 
 
 @dataclass(frozen=True)

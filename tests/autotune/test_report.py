@@ -62,7 +62,7 @@ def make_table(with_policy: bool = True, with_points: bool = True) -> Table:
         policy = make_policy([64, 128, 256], [
             Row((1, 4), 7, 20, tier=64, gain=2.01), Row((5, 16), 4, 48, tier=64, gain=1.61),
             Row((17, 32), 2, 48, tier=128, gain=1.12), Row((33, 64), 0, 0, tier=64, gain=1.0)],
-            ema=0.2, hysteresis=0.05)
+            window=1000.0, margin=0.02)
     return make_profile(
         params, w,
         hardware=Hardware(gpu="NVIDIA H200", capability="9.0", driver="580.159.04", power_limit_w=700),

@@ -48,7 +48,7 @@ acceptance:
   - {weight: 1.0, accept: [0.8, 0.75, 0.75]}
 policy:
   tiers: [4, 8, 16]
-  online: {ema: 0.2, hysteresis: 0.05, min_evidence: 1.0}
+  online: {window: 1000.0, margin: 0.02, min_evidence: 1.0}
   rows:
   - {batch: [1, 2], k: 3, verify_budget: 6}
   - {batch: [3, 4], k: 2, verify_budget: 4}

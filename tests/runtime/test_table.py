@@ -49,7 +49,7 @@ def full_table():
             rows=[Row(batch=(1, 8), k=7, verify_budget=56, tier=64, gain=1.8),
                   Row(batch=(9, 64), k=3, verify_budget=192, tier=512),
                   Row(batch=(65, 256), k=0, verify_budget=0)],
-            online=Online(ema=0.1, hysteresis=0.05),
+            online=Online(window=1000.0, margin=0.02),
         ),
         created="2026-01-01T00:00:00+00:00",
     )
@@ -106,7 +106,9 @@ def edit(fn):
     (lambda d: d["policy"]["rows"][2].update(batch=[65, 200]), "policy.rows", "max_batch"),
     (lambda d: d["policy"].update(tiers=[64, 16, 512]), "policy.tiers", "increasing"),
     (lambda d: d["policy"]["rows"][0].update(tier=32), "policy.rows[0].tier", "not a captured tier"),
-    (lambda d: d["policy"]["online"].update(ema=0.0), "policy.online.ema", "(0, 1]"),
+    (lambda d: d["policy"]["online"].update(window=0.0), "policy.online.window", "> 1"),
+    (lambda d: d["policy"]["online"].update(ema=0.05), "policy.online.ema", "re-run `spectune tune`"),
+    (lambda d: d["policy"]["online"].update(adapt_range=[1.2, 1.3]), "policy.online.adapt_range", "0 < lo <= 1 <= hi"),
 ])
 def test_validation_names_the_field(mutate, field, reason):
     with pytest.raises(TableError) as info:
