@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spectune.autotune.acceptance import AcceptanceModel
-from spectune.autotune.simulator import simulate
+from spectune.autotune.whatif import Predicted, predict_arm
 from spectune.engine.engine import RunResult
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
@@ -111,41 +111,32 @@ def accept_scale_for(length: Callable[[float], float], target: float, hi: float,
 SIM_REQUESTS = 128  # simulated requests per prediction at least: the bench's workload, replicated
 
 
-@dataclass(frozen=True)
-class _Sim:
-    goodput_tok_s: float | None
-    mean_accept_len: float
-
-
 def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], Any], res: RunResult, *,
                    speculative: bool, concurrency: int, requests: int, decode_tokens: int, context_len: int,
-                   seed: int) -> Prediction:
+                   seed: int, drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
+                   at_measured_accept: bool = True) -> Prediction:
     """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
 
-    The simulator plays the bench's workload: a closed run of ``requests`` requests of exactly
-    ``decode_tokens`` tokens after the prefill's first, at ``concurrency`` (the batch drains once the
-    queue is empty), replicated over seeds up to ``SIM_REQUESTS`` requests so that the sampling
-    noise of a few requests does not enter the prediction.
+    The simulator plays the bench's workload through ``whatif.predict_arm`` (the code path of
+    ``spectune simulate``): a closed run of ``requests`` requests of exactly ``decode_tokens``
+    tokens after the prefill's first, at ``concurrency``, replicated over seeds up to
+    ``SIM_REQUESTS`` requests so that the sampling noise of a few requests does not enter the
+    prediction; ``drift`` and ``prior`` as the bench serves and ranks.
     ``make_policy()`` gives a fresh policy (online state reset). With the acceptance rescaled the
     error left is the cost model's and what the simulator leaves out (ride-along rows, the order
-    of admissions); over the measured steps it is the cost model's alone."""
+    of admissions); over the measured steps it is the cost model's alone.
+    ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations)."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
-    def run(scale: float) -> _Sim:
-        tokens, seconds, slots = 0, 0.0, 0
-        for i in range(reps):
-            sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
-                           steps=1_000_000, requests=requests, seed=seed + i, accept_scale=scale,
-                           mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed")
-            slot_steps = round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
-            tokens, seconds, slots = tokens + sim.tokens, seconds + sim.seconds, slots + slot_steps
-        rate = tokens / seconds if seconds > 0 else math.inf
-        return _Sim(rate if math.isfinite(rate) else None, tokens / max(1, slots))
+    def run(scale: float) -> Predicted:
+        return predict_arm(cost, acceptance, make_policy, concurrency=concurrency, requests=requests,
+                           decode_tokens=decode_tokens, context_len=context_len, seeds=range(seed, seed + reps),
+                           drift=drift, prior=prior, accept_scale=scale)
 
     try:
         base = run(1.0).goodput_tok_s
         at_accept = None if speculative else base
-        measured = res.mean_accept_len_clean if speculative else None
+        measured = res.mean_accept_len_clean if speculative and at_measured_accept else None
         if measured is not None:
             # past 1 / (smallest rate) every rate is clipped to 1: the longest acceptance there is
             smallest = min((a for c in acceptance.components for a in c.accept if a > 0), default=1.0)
@@ -157,3 +148,53 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     ms = sum(step_ms(timed, b, k, tier) for b, k, tier in res.step_shapes)
     at_steps = res.decode_tokens / ms * 1e3 if ms > 0 and res.decode_tokens else None
     return Prediction(base, at_accept, at_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# repeats: means, 95 % t-intervals, auto / best other arm
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """Mean and the two-sided Student-t interval of the mean (lo = hi = mean for one value)."""
+    if not values:
+        return None
+    from scipy.stats import t
+
+    n, mean = len(values), float(sum(values) / len(values))
+    if n == 1:
+        return mean, mean, mean
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per (concurrency, arm): decode tok/s over repeats (mean, 95 % interval, timed-out runs);
+    per concurrency: auto / the best other arm (by mean) and auto / plain, each the mean and
+    interval of the per-repeat ratios (arms of one repeat share the acceptance draws)."""
+    arms: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        arms.setdefault((r["concurrency"], r["arm"]), {})[r.get("repeat", 0)] = r
+    per_arm = []
+    for (c, arm), runs in arms.items():
+        stat = mean_interval([x["decode_tok_s"] for x in runs.values() if x["decode_tok_s"]])
+        per_arm.append({"concurrency": c, "arm": arm, "repeats": len(runs),
+                        "timed_out": sum(bool(x.get("timed_out")) for x in runs.values()),
+                        "decode_tok_s": stat[0] if stat else None, "ci95": [stat[1], stat[2]] if stat else None})
+    ratios = []
+    for c in sorted({c for c, _ in arms}):
+        here = {a: s for s in per_arm if s["concurrency"] == c and (a := s["arm"])}
+        others = {a: s for a, s in here.items() if a != "auto" and s["decode_tok_s"]}
+        if "auto" not in here or not others:
+            continue
+        best = max(others, key=lambda a: others[a]["decode_tok_s"])
+        entry: dict[str, Any] = {"concurrency": c, "best_other": best}
+        for name, base in (("vs_best_other", best), ("vs_plain", "plain")):
+            pairs = [(arms[(c, "auto")][i], arms[(c, base)][i]) for i in arms[(c, "auto")]
+                     if (c, base) in arms and i in arms[(c, base)]]
+            stat = mean_interval([a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs
+                                  if a["decode_tok_s"] and b["decode_tok_s"]])
+            entry[name] = stat[0] if stat else None
+            entry[f"{name}_ci95"] = [stat[1], stat[2]] if stat else None
+        ratios.append(entry)
+    return {"arms": per_arm, "ratios": ratios}
