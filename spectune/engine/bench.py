@@ -60,7 +60,7 @@ from spectune.engine.bench_accounting import (
     Prediction,
     classify_mismatches,
     predict_decode,
-    ratio_minus_one,
+    row_for,
     summarise,
 )
 from spectune.engine.engine import KV_SLACK, Engine, Policy, Request, RunResult
@@ -101,7 +101,6 @@ CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=N
 
 WARMUP_TOKENS = 8  # output tokens per warm-up request
 BLOCK_SIZE = 16
-ITL_SAMPLE = 200  # per-token latencies kept per row (evenly spaced quantiles)
 METHOD = ("replay drafter: random-weight target runs the real compute; drafts are each request's "
           "plain greedy continuation, kept per position with a sampled conditional acceptance "
           "(else a different token); the real drafter runs for its cost (docs/BENCH_METHOD.md)")
@@ -117,7 +116,8 @@ class BenchConfig:
     out: str
     concurrency: str | Sequence[int] | None = None
     arms: str | Sequence[str] | None = None  # None: plain, the simulator's best fixed K +- 1, auto
-    prompts: int | None = None  # requests per concurrency; None: the defaults' ``prompts(c)``
+    prompts: int | dict[int, int] | None = None  # requests per concurrency (one for all, or per c);
+    # None: the defaults' ``prompts(c)``
     max_new_tokens: int | None = None
     prompt_len: int | None = None
     acceptance: str | None = None  # default: what the policy was tuned on
@@ -213,6 +213,7 @@ class Setup:
     target: str
     drafter: str
     dtype: str
+    warmed: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # (concurrency, arm) warmed up
 
 
 @dataclass(frozen=True)
@@ -323,69 +324,6 @@ def _table_acceptance(table: Any) -> AcceptanceModel | None:
 # one (concurrency, arm)
 
 
-def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    v, w = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
-    order = np.argsort(v)
-    cw = np.cumsum(w[order])
-    return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
-
-
-def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: RunResult,
-            predicted: Prediction, tolerance: NearTie) -> dict[str, Any]:
-    lat, wts = res.itl_ms, res.itl_tokens
-    per_token = np.repeat(np.asarray(lat, dtype=float), np.asarray(wts, dtype=int)) if lat else np.zeros(0)
-    sample = (np.quantile(per_token, np.linspace(0, 1, min(ITL_SAMPLE, len(per_token)))).round(4).tolist()
-              if len(per_token) else None)
-    ttft = [t for t in res.ttft_ms if t is not None]
-    energy = getattr(reading, "energy_j", None) if reading is not None else None
-    bad = classify_mismatches(res.outputs, plain, tolerance)
-    done = sum(res.done)
-    spec = any(k > 0 for k in res.k_hist)
-    return {
-        "concurrency": concurrency,
-        "arm": arm,
-        "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
-        "decode_tok_s": res.decode_tok_s,
-        "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
-        "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
-        "ttft_ms": float(np.median(ttft)) if ttft else None,
-        "mean_accept_len": res.mean_accept_len if spec else None,
-        "mean_accept_len_clean": res.mean_accept_len_clean if spec else None,
-        "k_hist": {str(k): n for k, n in res.k_hist.items()},
-        "power_w": getattr(reading, "mean_power_w", None),
-        "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
-        "sm_clock_mhz": getattr(reading, "sm_clock_mhz", None),
-        "throttle_reasons": getattr(reading, "throttle_names", None) if reading is not None else None,
-        "completed": done,
-        "failed": len(res.done) - done,
-        "mismatches": bad.total,
-        "near_tie_mismatches": bad.near_tie,
-        "hard_mismatches": bad.hard,
-        "first_mismatch_index": bad.first,
-        "diverged_requests": res.diverged_requests,
-        "predicted_tok_s": predicted.decode_tok_s,
-        "predicted_tok_s_at_measured_accept": predicted.at_measured_accept,
-        "predicted_tok_s_at_measured_steps": predicted.at_measured_steps,
-        "prediction_error": ratio_minus_one(res.decode_tok_s, predicted.decode_tok_s),
-        "prediction_error_at_measured_accept": ratio_minus_one(res.decode_tok_s, predicted.at_measured_accept),
-        "itl_ms": sample,
-        "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
-        "steps": res.steps,
-        "tokens": res.tokens,
-        "decode_tokens": res.decode_tokens,
-        "seconds": res.seconds,
-        "decode_seconds": res.decode_ms / 1e3,
-        "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
-        "idle_rows": res.idle_rows,
-        "host_waits": res.waits,
-        "drafter_calls": res.drafter_calls,
-        "graph_captures_in_run": res.captures,
-        "timed_out": res.timed_out,
-    }
-
-
 def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests: int, context_len: int,
             seed: int, res: RunResult, at_measured_accept: bool) -> Prediction:
     """The simulator's decode goodput for this arm (``bench_accounting.predict_decode``)."""
@@ -406,11 +344,13 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
     policy: Policy = arm_policy(arm, engine.tiers, planner)
     k = parse_arm(arm)
     planner.reset_online()
-    ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
-    engine.prepare(ks, concurrency)
-    warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
-    engine.run(warm, policy, concurrency=concurrency)
-    planner.reset_online()
+    if (concurrency, arm) not in setup.warmed:  # graphs and kernels of this arm's shapes, once
+        ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
+        engine.prepare(ks, concurrency)
+        warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
+        engine.run(warm, policy, concurrency=concurrency)
+        planner.reset_online()
+        setup.warmed.add((concurrency, arm))
     if power is None:
         return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
                           reference=reference), None
@@ -457,15 +397,17 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
     max_new = config.max_new_tokens if config.max_new_tokens is not None else d.max_new_tokens
     prompt_len = config.prompt_len if config.prompt_len is not None else d.prompt_len
     limit = config.time_limit_s if config.time_limit_s is not None else d.time_limit_s
+    per_c = config.prompts if isinstance(config.prompts, dict) else {}
+    counts = {c: per_c.get(c, d.prompts(c)) if isinstance(config.prompts, dict) or config.prompts is None
+              else config.prompts for c in concurrency}
     for option, value in (("--max-new-tokens", max_new), ("--prompt-len", prompt_len), ("--repeats", config.repeats),
-                          ("--prompts", config.prompts if config.prompts is not None else 1)):
+                          ("--prompts", min(counts.values()))):
         if value < 1:
             raise BenchError(f"{option}: must be >= 1, got {value}")
     if config.dtype not in (None, "bfloat16", "float16", "float32"):
         raise BenchError(f"--dtype: must be bfloat16, float16 or float32, got {config.dtype!r}")
     if config.arms is not None:
         parse_arms(config.arms)
-    counts = {c: config.prompts if config.prompts is not None else d.prompts(c) for c in concurrency}
     planner = load(config.policy, on_gpu_mismatch="warn")
     dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from spectune.autotune.acceptance import AcceptanceModel
 from spectune.autotune.whatif import Predicted, predict_arm
 from spectune.engine.engine import RunResult
@@ -108,6 +110,7 @@ def accept_scale_for(length: Callable[[float], float], target: float, hi: float,
     return (lo + hi) / 2
 
 
+ITL_SAMPLE = 200  # per-token latencies kept per row (evenly spaced quantiles)
 SIM_REQUESTS = 128  # simulated requests per prediction at least: the bench's workload, replicated
 
 
@@ -198,3 +201,70 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             entry[f"{name}_ci95"] = [stat[1], stat[2]] if stat else None
         ratios.append(entry)
     return {"arms": per_arm, "ratios": ratios}
+
+
+# ---------------------------------------------------------------------------------------------
+# one results row
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    v, w = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
+    order = np.argsort(v)
+    cw = np.cumsum(w[order])
+    return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
+
+
+def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: RunResult,
+            predicted: Prediction, tolerance: NearTie) -> dict[str, Any]:
+    lat, wts = res.itl_ms, res.itl_tokens
+    per_token = np.repeat(np.asarray(lat, dtype=float), np.asarray(wts, dtype=int)) if lat else np.zeros(0)
+    sample = (np.quantile(per_token, np.linspace(0, 1, min(ITL_SAMPLE, len(per_token)))).round(4).tolist()
+              if len(per_token) else None)
+    ttft = [t for t in res.ttft_ms if t is not None]
+    energy = getattr(reading, "energy_j", None) if reading is not None else None
+    bad = classify_mismatches(res.outputs, plain, tolerance)
+    done = sum(res.done)
+    spec = any(k > 0 for k in res.k_hist)
+    return {
+        "concurrency": concurrency,
+        "arm": arm,
+        "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
+        "decode_tok_s": res.decode_tok_s,
+        "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
+        "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
+        "ttft_ms": float(np.median(ttft)) if ttft else None,
+        "mean_accept_len": res.mean_accept_len if spec else None,
+        "mean_accept_len_clean": res.mean_accept_len_clean if spec else None,
+        "k_hist": {str(k): n for k, n in res.k_hist.items()},
+        "power_w": getattr(reading, "mean_power_w", None),
+        "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
+        "sm_clock_mhz": getattr(reading, "sm_clock_mhz", None),
+        "throttle_reasons": getattr(reading, "throttle_names", None) if reading is not None else None,
+        "completed": done,
+        "failed": len(res.done) - done,
+        "mismatches": bad.total,
+        "near_tie_mismatches": bad.near_tie,
+        "hard_mismatches": bad.hard,
+        "first_mismatch_index": bad.first,
+        "diverged_requests": res.diverged_requests,
+        "predicted_tok_s": predicted.decode_tok_s,
+        "predicted_tok_s_at_measured_accept": predicted.at_measured_accept,
+        "predicted_tok_s_at_measured_steps": predicted.at_measured_steps,
+        "prediction_error": ratio_minus_one(res.decode_tok_s, predicted.decode_tok_s),
+        "prediction_error_at_measured_accept": ratio_minus_one(res.decode_tok_s, predicted.at_measured_accept),
+        "itl_ms": sample,
+        "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
+        "steps": res.steps,
+        "tokens": res.tokens,
+        "decode_tokens": res.decode_tokens,
+        "seconds": res.seconds,
+        "decode_seconds": res.decode_ms / 1e3,
+        "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
+        "idle_rows": res.idle_rows,
+        "host_waits": res.waits,
+        "drafter_calls": res.drafter_calls,
+        "graph_captures_in_run": res.captures,
+        "timed_out": res.timed_out,
+    }
