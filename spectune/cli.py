@@ -455,6 +455,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
@@ -475,8 +476,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         served, drift = resolve_acceptance(first, max_k), resolve_acceptance(second, max_k)
     else:
         served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
-    what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats,
-                  **({"requests": lambda c: args.requests} if args.requests is not None else {}))
+    what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats)
+    if args.requests is not None:
+        what = dataclasses.replace(what, requests=lambda c: args.requests)
     out = simulate_table(what, concurrency, arms)
     if args.json:
         print(json.dumps(out))

@@ -178,7 +178,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     arms: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
     for r in rows:
         arms.setdefault((r["concurrency"], r["arm"]), {})[r.get("repeat", 0)] = r
-    per_arm = []
+    per_arm: list[dict[str, Any]] = []
     for (c, arm), runs in arms.items():
         stat = mean_interval([x["decode_tok_s"] for x in runs.values() if x["decode_tok_s"]])
         per_arm.append({"concurrency": c, "arm": arm, "repeats": len(runs),
@@ -186,7 +186,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                         "decode_tok_s": stat[0] if stat else None, "ci95": [stat[1], stat[2]] if stat else None})
     ratios = []
     for c in sorted({c for c, _ in arms}):
-        here = {a: s for s in per_arm if s["concurrency"] == c and (a := s["arm"])}
+        here: dict[str, dict[str, Any]] = {str(s["arm"]): s for s in per_arm if s["concurrency"] == c}
         others = {a: s for a, s in here.items() if a != "auto" and s["decode_tok_s"]}
         if "auto" not in here or not others:
             continue
