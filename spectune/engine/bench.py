@@ -62,6 +62,7 @@ from spectune.engine.bench_accounting import (
     predict_decode,
     row_for,
     summarise,
+    weighted_quantile,
 )
 from spectune.engine.engine import KV_SLACK, Engine, Policy, Request, RunResult
 from spectune.engine.replay_drafter import ReplayDrafter
@@ -505,5 +506,5 @@ def _serve_all(setup: Setup, config: BenchConfig, served: Served, concurrency: S
 
 
 __all__ = ["NEAR_TIE", "ArmError", "BenchConfig", "BenchError", "FixedPolicy", "NearTie", "TorchPagedAttention",
-           "arm_policy", "bench_tiers", "classify_mismatches", "parse_arm", "parse_arms", "row_for", "run_bench",
+           "arm_policy", "bench_tiers", "classify_mismatches", "parse_arm", "parse_arms", "row_for", "run_bench", "weighted_quantile",
            "run_sources"]

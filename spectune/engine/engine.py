@@ -8,11 +8,14 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             cache (one captured graph per token bucket, ``prefill.py``); the argmax at the last
             prompt token is the first output token
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
-  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup)
+  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
+            ``rates`` (if any) go to a proposer with ``set_rates``
   draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K))
   step      ``verifier.step(...)``: allocate, pack, target graph replay, greedy accept, stats
   advance   on the device: KV length and output count += emitted, last token = last emitted;
-            one non-blocking copy of the emitted tokens into pinned host memory
+            a proposer with ``record_step`` (the replay drafter) adds the step's grants and
+            accepted drafts to each request's history; one non-blocking copy of the emitted
+            tokens into pinned host memory
 
 Completion is by ``max_new_tokens`` (random-weight greedy decoding has no end-of-sequence token).
 The device caps each request's drafts at ``remaining - 1`` so no request emits more than it asked
