@@ -190,7 +190,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     rows: list[dict[str, Any]] = []
     for c in concurrency:
         work = dict(concurrency=c, requests=what.requests(c), decode_tokens=what.decode_tokens,
-                    context_len=table.workload.context_len, drift=what.drift, prior=prior,
+                    context_len=planner.cost.context_len, drift=what.drift, prior=prior,
                     seeds=range(what.seed, what.seed + what.repeats))
         best = best_fixed_k(planner.cost, what.acceptance, max_k, **work)
         chosen = arms if arms is not None else default_arms(max_k, best)
@@ -211,7 +211,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     served = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
     tuned = table.acceptance.get("source") if table.acceptance else None
     return {"rows": rows, "acceptance": served, "tuned_acceptance": tuned, "drift": what.drift is not None,
-            "context_len": table.workload.context_len, "repeats": what.repeats}
+            "context_len": planner.cost.context_len, "repeats": what.repeats}
 
 
 def _ratio_to_best_other(rows: list[dict[str, Any]]) -> None:
