@@ -3,7 +3,8 @@
 One code path for ``spectune simulate`` and the bench's predictions: ``predict_arm`` plays a closed
 run of ``requests`` requests of ``decode_tokens`` tokens each at ``concurrency`` (the batch drains
 once the queue is empty, as a bench run does) through ``simulate``, once per seed, and pools
-tokens over seconds. Allocation ranks by each request's own history (``simulate``'s default);
+tokens over seconds; ``simulate_table`` evaluates the cost model at the context the policy was
+tuned for (``planner.cost.context_len``). Allocation ranks by each request's own history (``simulate``'s default);
 rates come from the policy's ``rates`` (the planner's live estimate) or ``prior``.
 
 Arms (as in the bench): ``plain`` (K = 0), ``fixed:K`` (K drafts for every request, all verified),
