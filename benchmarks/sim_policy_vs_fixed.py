@@ -8,8 +8,8 @@ curve, tune a policy (the search sees the acceptance model that is evaluated), t
                ``--seeds`` seeds; an arm's goodput is its tokens over its seconds, all seeds pooled.
 Arms: plain (K = 0), fixed K = 1..max_k (exact graphs, full budget b*K), the policy through the
 runtime Planner with online correction ("policy"), the table alone ("table"), and the table with
-uniform instead of survival allocation ("uniform"). "alloc gain" = table / best fixed K: what
-per-request budget allocation (survival ranking across requests) adds where the budget binds.
+uniform instead of history allocation ("uniform"). "alloc gain" = table / best fixed K: what
+per-request budget allocation (ranking requests by their own acceptance history) adds where the budget binds.
 
     python benchmarks/sim_policy_vs_fixed.py benchmarks/profiles/h200_probe_qwen3-8b_eagle-1l.yaml
 
@@ -59,12 +59,12 @@ def analytic(table: Table, acc: AcceptanceModel, b: int) -> dict:
 
 def monte_carlo(table: Table, acc: AcceptanceModel, b: int, requests: int, seeds: int) -> dict:
     cost = cost_model(table)
-    arms = {f"k{k}": (FixedK(k), "survival") for k in range(table.workload.max_k + 1)}
+    arms = {f"k{k}": (FixedK(k), "history") for k in range(table.workload.max_k + 1)}
     tokens = {name: 0 for name in [*arms, "policy", "table", "uniform"]}
     seconds = dict.fromkeys(tokens, 0.0)
     cap = max(2000, 400 * requests // b)  # step cap, far above what `requests` needs
     for seed in range(seeds):
-        runs = {**arms, "policy": (Planner(table), "survival"), "table": (TableOnly(table), "survival"),
+        runs = {**arms, "policy": (Planner(table), "history"), "table": (TableOnly(table), "history"),
                 "uniform": (TableOnly(table), "uniform")}
         for name, (fn, alloc) in runs.items():
             r = simulate(cost, acc, fn, concurrency=b, steps=cap, requests=requests, seed=seed, allocation=alloc)

@@ -337,8 +337,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", required=True, help="policy table YAML from `spectune tune`")
     p.add_argument("--concurrency", default=None,
                    help="live requests, e.g. 1,8,32 (default 1,8,32,64,128,256 on CUDA, 1,4 on CPU)")
-    p.add_argument("--arms", default="plain,fixed:3,fixed:7,auto",
-                   help="plain, fixed:K (K drafts always, all verified), auto (the policy table)")
+    p.add_argument("--arms", default=None,
+                   help="plain, fixed:K (K drafts always, all verified), auto (the policy table); default "
+                        "at each concurrency: plain, the simulator's best fixed K and its neighbours, auto")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved timed runs per (concurrency, arm), arm order rotated per repeat (default 3)")
+    p.add_argument("--drift", default=None,
+                   help="A,B: requests admitted after half of each run's requests are served with B")
     p.add_argument("--prompts", type=int, default=None,
                    help="requests per concurrency (default on CUDA: 8 x concurrency within 48..1024; "
                         "on CPU: 2 x concurrency)")
@@ -383,6 +388,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed,
         time_limit_s=args.time_limit, progress=not args.no_progress,
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
+        drift=args.drift, repeats=args.repeats,
     )
 
     def num(v, fmt):
@@ -390,15 +396,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     def show(r: dict) -> None:  # each row as it is measured
         if r is first_row.setdefault("row", r):
-            print(f"{'conc':>5} {'arm':>9} {'tok/s':>9} {'decode':>9} {'pred':>9} {'@accept':>9} {'ITL p50':>8} "
-                  f"{'p99':>8} {'accept':>7} {'clean':>6} {'J/tok':>7} {'done':>5} {'fail':>5} {'hard':>5} "
-                  f"{'tie':>5}")
-        print(f"{r['concurrency']:>5} {r['arm']:>9} {r['output_tok_s']:>9.1f} {num(r['decode_tok_s'], '9.1f'):>9} "
+            print(f"{'conc':>5} {'arm':>9} {'rep':>3} {'tok/s':>9} {'decode':>9} {'pred':>9} {'@accept':>9} "
+                  f"{'ITL p50':>8} {'p99':>8} {'accept':>7} {'clean':>6} {'J/tok':>7} {'done':>5} {'fail':>5} "
+                  f"{'hard':>5} {'tie':>5}")
+        print(f"{r['concurrency']:>5} {r['arm']:>9} {r.get('repeat', 0):>3} {r['output_tok_s']:>9.1f} "
+              f"{num(r['decode_tok_s'], '9.1f'):>9} "
               f"{num(r['predicted_tok_s'], '9.1f'):>9} {num(r['predicted_tok_s_at_measured_accept'], '9.1f'):>9} "
               f"{num(r['itl_p50_ms'], '8.2f'):>8} {num(r['itl_p99_ms'], '8.2f'):>8} "
               f"{num(r['mean_accept_len'], '7.2f'):>7} {num(r['mean_accept_len_clean'], '6.2f'):>6} "
               f"{num(r['joules_per_token'], '7.3f'):>7} {r['completed']:>5} {r['failed']:>5} "
-              f"{r['hard_mismatches']:>5} {r['near_tie_mismatches']:>5}", flush=True)
+              f"{r['hard_mismatches']:>5} {r['near_tie_mismatches']:>5}"
+              f"{'  TIMED OUT' if r.get('timed_out') else ''}", flush=True)
 
     first_row: dict = {}
     try:
@@ -407,7 +415,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
     head = results["header"]
     print(f"{head['gpu']}: {head['target']} + {head['drafter']}, {head['dtype']}, prompt {head['prompt_len']}, "
-          f"{head['max_new_tokens']} new tokens, acceptance {head['acceptance']}")
+          f"{head['max_new_tokens']} new tokens, acceptance {head['acceptance']} "
+          f"(tuned on {head.get('tuned_acceptance')})")
+    for line in _summary_lines(results.get("summary")):
+        print(line)
     hard = sum(r["hard_mismatches"] for r in results["rows"])
     ties = sum(r["near_tie_mismatches"] for r in results["rows"])
     if hard:
@@ -419,6 +430,95 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"(see docs/BENCH_METHOD.md)", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="what-if: a policy table vs plain and fixed K on an acceptance, simulated",
+                       description="Play closed serving runs through the table's cost model for each "
+                                   "concurrency and arm (plain, fixed:K, auto: a fresh planner per run); "
+                                   "allocation ranks by each request's own acceptance history.")
+    p.add_argument("policy", help="policy table YAML from `spectune tune`")
+    p.add_argument("--acceptance", default=None,
+                   help="acceptance served (forms of `spectune tune --acceptance`; default: the one "
+                        "the policy was tuned on)")
+    p.add_argument("--concurrency", default="1,16,64,256", help="live requests, e.g. 1,8,32 (default 1,16,64,256)")
+    p.add_argument("--arms", default=None,
+                   help="plain, fixed:K, auto (default: plain, fixed:1..min(max_k,7), the best fixed K "
+                        "and its neighbours, auto)")
+    p.add_argument("--drift", default=None,
+                   help="A,B: requests of the second half of each run draw their acceptance from B")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per run (default 8 x concurrency within 64..1024)")
+    p.add_argument("--repeats", type=int, default=3, help="seeds per (concurrency, arm), pooled (default 3)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
+    from spectune.autotune.whatif import WhatIf, parse_arms, simulate_table, split_drift
+    from spectune.runtime.planner import load
+
+    for option, value in (("--requests", args.requests), ("--repeats", args.repeats)):
+        if value is not None and value < 1:
+            raise UsageError(f"{option} must be >= 1, got {value}")
+    concurrency = _positive_ints(args.concurrency, "--concurrency")
+    arms = parse_arms(args.arms) if args.arms is not None else None
+    planner = load(args.policy, on_gpu_mismatch="ignore")
+    max_k = max(1, planner.k_hi)
+    tuned = AcceptanceModel.from_dict(planner.table.acceptance) if planner.table.acceptance else None
+    drift = None
+    if args.drift is not None:
+        first, second = split_drift(args.drift)
+        served, drift = resolve_acceptance(first, max_k), resolve_acceptance(second, max_k)
+    else:
+        served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
+    what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats)
+    if args.requests is not None:
+        what = dataclasses.replace(what, requests=lambda c: args.requests)
+    out = simulate_table(what, concurrency, arms)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"served: {out['acceptance']}\ntuned on: {out['tuned_acceptance']}")
+    print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'ITL p50':>8} {'p99':>8} {'accept':>7}  k_hist")
+    for r in out["rows"]:
+        ratio = f"{r['ratio_vs_best_other']:.3f}" if r["ratio_vs_best_other"] is not None else "-"
+        hist = " ".join(f"{k}:{n}" for k, n in r["k_hist"].items()) if r["arm"] == "auto" else ""
+        print(f"{r['concurrency']:>5} {r['arm']:>9} {r['goodput_tok_s'] or 0:>10.1f} {ratio:>8} "
+              f"{r['itl_p50_ms'] or 0:>8.2f} {r['itl_p99_ms'] or 0:>8.2f} {r['mean_accept_len']:>7.2f}  {hist}")
+    return 0
+
+
+def _positive_ints(text: str, option: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        raise UsageError(f"{option}: cannot read {text!r} (e.g. 1,8,32)") from None
+    if not values or values[0] < 1:
+        raise UsageError(f"{option}: must be integers >= 1, got {text!r}")
+    return values
+
+
+def _summary_lines(summary: dict | None) -> list[str]:
+    """Means over repeats with 95 % intervals, timed-out runs, and auto / best other arm."""
+    if not summary:
+        return []
+
+    def ci(v, lo_hi, fmt):
+        return f"{v:{fmt}} [{lo_hi[0]:{fmt}}, {lo_hi[1]:{fmt}}]" if v is not None and lo_hi else "-"
+
+    lines = [f"{'conc':>5} {'arm':>9} {'runs':>4} {'decode tok/s mean [95% interval]':>36} {'timed out':>9}"]
+    for a in summary["arms"]:
+        lines.append(f"{a['concurrency']:>5} {a['arm']:>9} {a['repeats']:>4} "
+                     f"{ci(a['decode_tok_s'], a['ci95'], '.1f'):>36} {a['timed_out']:>9}")
+    for r in summary["ratios"]:
+        lines.append(f"c={r['concurrency']}: auto / {r['best_other']} = {ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}"
+                     f", auto / plain = {ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}")
+    return lines
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -450,7 +550,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_bench, _add_report,
+    _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_simulate, _add_bench, _add_report,
 ]
 
 

@@ -109,3 +109,48 @@ def test_profile_on_gpu_uses_graphs(tmp_path, capsys):
     assert data["costs"]["timer"] == "cuda-graph" and data["workload"]["device"] == "cuda"
     assert data["costs"]["capture"] and data["costs"]["model"]["overhead"]["source"] == "pack-kernel"
     assert data["hardware"]["gpu"] != "cpu"
+
+
+def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
+    from spectune.runtime import planner as planner_mod
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    loads = []
+    real = planner_mod.load
+    monkeypatch.setattr(planner_mod, "load", lambda *a, **kw: loads.append(1) or real(*a, **kw))
+    argv = ["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "1,4",
+            "--requests", "8", "--repeats", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["acceptance"] == "curve:0.5,0.25,0.12" and out["tuned_acceptance"] == "curve:0.8,0.6,0.45"
+    arms = [r["arm"] for r in out["rows"] if r["concurrency"] == 1]
+    assert arms == ["plain", "fixed:1", "fixed:2", "fixed:3", "auto"]  # max_k 3: every fixed K
+    assert len(loads) == 2 + 2 * 2  # the table (cli, whatif), then a fresh planner per auto run (2 seeds x 2 c)
+    for r in out["rows"]:
+        assert r["goodput_tok_s"] > 0 and r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert (r["ratio_vs_best_other"] is not None) == (r["arm"] == "auto")
+    auto = next(r for r in out["rows"] if r["arm"] == "auto" and r["concurrency"] == 4)
+    best = max(r["goodput_tok_s"] for r in out["rows"] if r["concurrency"] == 4 and r["arm"] != "auto")
+    assert auto["ratio_vs_best_other"] == pytest.approx(auto["goodput_tok_s"] / best)
+    assert main(["simulate", str(policy), "--concurrency", "2", "--arms", "plain,auto", "--requests", "4",
+                 "--drift", "curve:0.9,0.8,curve:0.3,0.1"]) == 0
+    text = capsys.readouterr().out
+    assert "served: drift: curve:0.9,0.8 -> curve:0.3,0.1" in text and "auto" in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--arms", "plain,greedy"], "--arms"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--drift", "curve:0.9,0.8"], "--drift"),
+    (["--acceptance", "nonsense"], "nonsense"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_simulate_bad_input(tmp_path, capsys, argv, needle):
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    assert main(["simulate", str(policy), *argv]) == 2
+    assert needle in one_error_line(capsys, "simulate")
+    assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in one_error_line(capsys, "simulate")

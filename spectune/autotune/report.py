@@ -159,6 +159,9 @@ def result_warnings(rs: ResultSet) -> list[str]:
         where = f"{Path(rs.file).name}: concurrency {r.concurrency}, arm {r.arm}"
         if r.bad_throttle:
             out.append(f"{where}: GPU throttled ({', '.join(r.bad_throttle)})")
+        if r.timed_out:
+            run = f" (repeat {r.repeat})" if r.repeat is not None else ""
+            out.append(f"{where}{run}: timed out at the time limit")
         if r.failed:
             out.append(f"{where}: {r.failed} failed requests")
         if r.mismatches:

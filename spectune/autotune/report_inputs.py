@@ -63,6 +63,8 @@ class BenchRow:
     diverged_requests: int | None = None
     predicted_tok_s_at_measured_accept: float | None = None  # simulator at the measured acceptance
     prediction_error: float | None = None  # decode_tok_s / predicted_tok_s - 1
+    timed_out: bool | None = None  # the run stopped at the bench's time limit
+    repeat: int | None = None  # which of the interleaved repeats of (concurrency, arm)
 
     def validate(self, path: str) -> None:
         if self.concurrency < 1:

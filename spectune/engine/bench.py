@@ -42,13 +42,27 @@ from spectune.autotune.acceptance import (
     resolve_acceptance,
 )
 from spectune.autotune.hardware import hardware_facts, parse_device, software_facts
+from spectune.autotune.whatif import (
+    ArmError,
+    FixedPolicy,
+    bench_default_arms,
+    best_fixed_k,
+    drift_source,
+    parse_arm,
+    parse_arms,
+    split_drift,
+    tuned_prior,
+)
 from spectune.engine.bench_accounting import (
     NEAR_TIE,
+    SIM_REQUESTS,
     NearTie,
     Prediction,
     classify_mismatches,
     predict_decode,
-    ratio_minus_one,
+    row_for,
+    summarise,
+    weighted_quantile,
 )
 from spectune.engine.engine import KV_SLACK, Engine, Policy, Request, RunResult
 from spectune.engine.replay_drafter import ReplayDrafter
@@ -57,9 +71,9 @@ from spectune.io import atomic_write_text
 from spectune.kernels.attention import verify_attention_ref
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
-from spectune.runtime.planner import Plan, Planner, load, smallest_tier
+from spectune.runtime.planner import Planner, load
 
-DEFAULT_ARMS = ("plain", "fixed:3", "fixed:7", "auto")
+DEFAULT_REPEATS = 3  # interleaved timed runs per (concurrency, arm)
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,6 @@ CPU_DEFAULTS = Defaults((1, 4), max_new_tokens=16, prompt_len=16, time_limit_s=N
 
 WARMUP_TOKENS = 8  # output tokens per warm-up request
 BLOCK_SIZE = 16
-ITL_SAMPLE = 200  # per-token latencies kept per row (evenly spaced quantiles)
 METHOD = ("replay drafter: random-weight target runs the real compute; drafts are each request's "
           "plain greedy continuation, kept per position with a sampled conditional acceptance "
           "(else a different token); the real drafter runs for its cost (docs/BENCH_METHOD.md)")
@@ -103,8 +116,9 @@ class BenchConfig:
     policy: str
     out: str
     concurrency: str | Sequence[int] | None = None
-    arms: str | Sequence[str] = DEFAULT_ARMS
-    prompts: int | None = None  # requests per concurrency; None: the defaults' ``prompts(c)``
+    arms: str | Sequence[str] | None = None  # None: plain, the simulator's best fixed K +- 1, auto
+    prompts: int | dict[int, int] | None = None  # requests per concurrency (one for all, or per c);
+    # None: the defaults' ``prompts(c)``
     max_new_tokens: int | None = None
     prompt_len: int | None = None
     acceptance: str | None = None  # default: what the policy was tuned on
@@ -116,40 +130,13 @@ class BenchConfig:
     time_limit_s: float | None = None  # per timed run; default 90 s on CUDA
     progress: bool = True
     decisive: bool | None = None  # DecisiveLogits on the target; None: on for 16-bit dtypes
+    drift: str | None = None  # "A,B": requests of the second half of each run are served with B
+    repeats: int = DEFAULT_REPEATS
+    predict_at_measured_accept: bool = True  # the rescaled prediction (a bisection of simulations)
 
 
 # ---------------------------------------------------------------------------------------------
 # arms
-
-
-@dataclass(frozen=True)
-class FixedPolicy:
-    """K drafts for every request, all verified (K = 0: plain decoding, the drafter never runs).
-    A batch whose b * (K + 1) tokens exceed the largest tier verifies what that tier holds."""
-
-    k: int
-    tiers: tuple[int, ...]
-
-    def plan(self, batch_size: int) -> Plan:
-        budget = batch_size * self.k
-        tier = smallest_tier(self.tiers, batch_size + budget)
-        if tier is None:
-            budget = max(0, self.tiers[-1] - batch_size)
-            tier = smallest_tier(self.tiers, batch_size + budget)
-        return Plan(self.k if budget > 0 else 0, budget, tier)
-
-
-def parse_arm(arm: str) -> int | None:
-    """``plain`` -> 0, ``fixed:K`` -> K, ``auto`` -> None (the policy table decides)."""
-    text = arm.strip().lower()
-    if text == "plain":
-        return 0
-    if text == "auto":
-        return None
-    head, _, tail = text.partition(":")
-    if head == "fixed" and tail.isdigit() and 0 <= int(tail) <= 64:
-        return int(tail)
-    raise BenchError(f"arm {arm!r}: not plain, fixed:K (K in 0..64) or auto")
 
 
 def arm_policy(arm: str, tiers: Sequence[int], planner: Policy | None = None) -> Policy:
@@ -173,18 +160,6 @@ def _ints(text: str | Sequence[int], option: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise BenchError(f"{option}: must be integers >= 1, got {text!r}")
     return tuple(sorted(set(values)))
-
-
-def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
-    arms = [a.strip().lower() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
-    if not arms:
-        raise BenchError("--arms: no arm given (plain, fixed:K, auto)")
-    for a in arms:
-        try:
-            parse_arm(a)
-        except BenchError as exc:
-            raise BenchError(f"--arms: {exc}") from None
-    return tuple(dict.fromkeys(arms))
 
 
 def bench_tiers(policy_tiers: Sequence[int], concurrency: Sequence[int], ks: Sequence[int]) -> list[int]:
@@ -233,17 +208,56 @@ class Setup:
     engine: Engine
     replay: ReplayDrafter
     planner: Planner
-    acceptance: AcceptanceModel
     requests: list[Request]
-    accept: torch.Tensor  # [requests, max_k] conditional rates per request
-    coins: torch.Tensor  # [requests, max_new_tokens] uniforms per output index
+    prior: list[float] | None  # the population rates the allocation starts from (the tuned prior)
+    max_k: int  # drafts the replay and the engine hold
     target: str
     drafter: str
     dtype: str
+    warmed: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # (concurrency, arm) warmed up
+
+
+@dataclass(frozen=True)
+class Served:
+    """One served acceptance: its model (then ``drift``'s for the second half of each run), the
+    header text, the arms per concurrency and the results file."""
+
+    acceptance: AcceptanceModel
+    drift: AcceptanceModel | None
+    source: str
+    arms: dict[int, tuple[str, ...]]
+    out: str
+
+
+def resolve_served(config: BenchConfig, planner: Planner, acceptance: str | None, drift: str | None, out: str,
+                   concurrency: Sequence[int], counts: dict[int, int], prompt_len: int, max_new: int) -> Served:
+    """The served models and, without ``--arms``, plain + the simulator's best fixed K and its
+    neighbours + auto at each concurrency (``whatif.bench_default_arms``)."""
+    max_k = max(1, planner.k_hi)
+    if drift is not None:
+        first, second = split_drift(drift)
+        model, late = resolve_acceptance(first, max_k), resolve_acceptance(second, max_k)
+        source = drift_source(model, late)
+    else:
+        model, late = resolve_acceptance(acceptance or _table_acceptance(planner.table), max_k), None
+        source = model.source
+    model = widen(model, max_k)
+    late = widen(late, max_k) if late is not None else None
+    arms: dict[int, tuple[str, ...]] = {}
+    for c in concurrency:
+        if config.arms is not None:
+            arms[c] = parse_arms(config.arms)
+            continue
+        reps = max(1, -(-SIM_REQUESTS // counts[c]))
+        best = best_fixed_k(planner.cost, model, max_k, concurrency=c, requests=counts[c], decode_tokens=max_new - 1,
+                            context_len=prompt_len + max_new // 2, seeds=range(config.seed, config.seed + reps),
+                            drift=late, prior=tuned_prior(planner.table))
+        arms[c] = bench_default_arms(max_k, best)
+    return Served(model, late, source, arms, out)
 
 
 def build(config: BenchConfig, planner: Planner, device: torch.device, concurrency: Sequence[int],
-          arms: Sequence[str], n_requests: int, prompt_len: int, max_new: int) -> Setup:
+          fixed: Sequence[int], auto: bool, n_requests: int, prompt_len: int, max_new: int) -> Setup:
     from spectune.models.build import build_models, fit_cache, fit_paged_cache
     from spectune.models.config import parse_drafter, resolve_target
     from spectune.models.decisive import DecisiveLogits
@@ -253,8 +267,7 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     args = resolve_target(config.target or (table.workload.target if cuda else "tiny"))
     spec = parse_drafter(config.drafter or table.workload.drafter)
     dtype = config.dtype or (table.workload.dtype if cuda else "float32")
-    fixed = [k for a in arms if (k := parse_arm(a)) is not None]
-    max_k = max(fixed + ([planner.k_hi] if "auto" in arms else []) + [0])
+    max_k = max([*fixed, planner.k_hi if auto else 0, 0])
     max_batch = max(concurrency)
     max_len = prompt_len + max_new + max_k + KV_SLACK
     per_request = -(-max_len // BLOCK_SIZE)
@@ -273,22 +286,30 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
                   max_q=max(max_k, 1) if parallel else 1, causal=not parallel)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     hidden = torch.randn(max_batch, args.dim, generator=gen, device=device).to(getattr(torch, dtype))
+    prior = tuned_prior(table)
     replay = ReplayDrafter(max_requests=n_requests, max_len=max_new, max_k=max(max_k, 1),
                            vocab_size=args.vocab_size, device=device, cost_drafter=models.drafter,
-                           hidden=hidden)
+                           hidden=hidden, prior=prior)
     target = DecisiveLogits(models.target) if decisive_for(config, dtype) else models.target
-    engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, fixed + [0]),
+    engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, [*fixed, 0]),
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
                     device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False)
     engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
-    acceptance = widen(resolve_acceptance(config.acceptance or _table_acceptance(table), max(max_k, 1)),
-                       max(max_k, 1))
     rng = np.random.default_rng(config.seed)
     prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
     requests = [Request(tuple(int(t) for t in p), max_new) for p in prompts]
-    accept = torch.tensor(acceptance.sample(rng, n_requests), dtype=torch.float32)
-    coins = torch.tensor(rng.random((n_requests, max_new)), dtype=torch.float32)
-    return Setup(engine, replay, planner, acceptance, requests, accept, coins, args.name, spec.name, dtype)
+    return Setup(engine, replay, planner, requests, prior, max(max_k, 1), args.name, spec.name, dtype)
+
+
+def draws(served: Served, n: int, max_k: int, max_new: int, seed: int, repeat: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conditional rates per request [n, max_k] (requests n // 2.. from the drift model) and
+    coins per output index [n, max_new] of one repeat: arms of a repeat share them."""
+    rng = np.random.default_rng([seed, repeat])
+    rows = widen(served.acceptance, max_k).sample(rng, n)[:, :max_k]
+    if served.drift is not None:
+        rows[n // 2:] = widen(served.drift, max_k).sample(rng, n)[n // 2:, :max_k]
+    return (torch.tensor(rows, dtype=torch.float32),
+            torch.tensor(rng.random((n, max_new)), dtype=torch.float32))
 
 
 def decisive_for(config: BenchConfig, dtype: str) -> bool:
@@ -304,80 +325,18 @@ def _table_acceptance(table: Any) -> AcceptanceModel | None:
 # one (concurrency, arm)
 
 
-def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    v, w = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
-    order = np.argsort(v)
-    cw = np.cumsum(w[order])
-    return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
-
-
-def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: RunResult,
-            predicted: Prediction, tolerance: NearTie) -> dict[str, Any]:
-    lat, wts = res.itl_ms, res.itl_tokens
-    per_token = np.repeat(np.asarray(lat, dtype=float), np.asarray(wts, dtype=int)) if lat else np.zeros(0)
-    sample = (np.quantile(per_token, np.linspace(0, 1, min(ITL_SAMPLE, len(per_token)))).round(4).tolist()
-              if len(per_token) else None)
-    ttft = [t for t in res.ttft_ms if t is not None]
-    energy = getattr(reading, "energy_j", None) if reading is not None else None
-    bad = classify_mismatches(res.outputs, plain, tolerance)
-    done = sum(res.done)
-    spec = any(k > 0 for k in res.k_hist)
-    return {
-        "concurrency": concurrency,
-        "arm": arm,
-        "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
-        "decode_tok_s": res.decode_tok_s,
-        "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
-        "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
-        "ttft_ms": float(np.median(ttft)) if ttft else None,
-        "mean_accept_len": res.mean_accept_len if spec else None,
-        "mean_accept_len_clean": res.mean_accept_len_clean if spec else None,
-        "k_hist": {str(k): n for k, n in res.k_hist.items()},
-        "power_w": getattr(reading, "mean_power_w", None),
-        "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
-        "sm_clock_mhz": getattr(reading, "sm_clock_mhz", None),
-        "throttle_reasons": getattr(reading, "throttle_names", None) if reading is not None else None,
-        "completed": done,
-        "failed": len(res.done) - done,
-        "mismatches": bad.total,
-        "near_tie_mismatches": bad.near_tie,
-        "hard_mismatches": bad.hard,
-        "first_mismatch_index": bad.first,
-        "diverged_requests": res.diverged_requests,
-        "predicted_tok_s": predicted.decode_tok_s,
-        "predicted_tok_s_at_measured_accept": predicted.at_measured_accept,
-        "predicted_tok_s_at_measured_steps": predicted.at_measured_steps,
-        "prediction_error": ratio_minus_one(res.decode_tok_s, predicted.decode_tok_s),
-        "prediction_error_at_measured_accept": ratio_minus_one(res.decode_tok_s, predicted.at_measured_accept),
-        "itl_ms": sample,
-        "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
-        "steps": res.steps,
-        "tokens": res.tokens,
-        "decode_tokens": res.decode_tokens,
-        "seconds": res.seconds,
-        "decode_seconds": res.decode_ms / 1e3,
-        "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
-        "idle_rows": res.idle_rows,
-        "host_waits": res.waits,
-        "drafter_calls": res.drafter_calls,
-        "graph_captures_in_run": res.captures,
-        "timed_out": res.timed_out,
-    }
-
-
-def predict(setup: Setup, arm: str, concurrency: int, n_requests: int, context_len: int, seed: int,
-            res: RunResult) -> Prediction:
+def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests: int, context_len: int,
+            seed: int, res: RunResult, at_measured_accept: bool) -> Prediction:
     """The simulator's decode goodput for this arm (``bench_accounting.predict_decode``)."""
     k = parse_arm(arm)
 
     def make_policy() -> Any:
         return FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
 
-    return predict_decode(setup.planner.cost, setup.acceptance, make_policy, res, speculative=k != 0,
+    return predict_decode(setup.planner.cost, served.acceptance, make_policy, res, speculative=k != 0,
                           concurrency=concurrency, requests=n_requests, context_len=context_len, seed=seed,
-                          decode_tokens=setup.requests[0].max_new_tokens - 1)
+                          decode_tokens=setup.requests[0].max_new_tokens - 1, drift=served.drift,
+                          prior=setup.prior, at_measured_accept=at_measured_accept)
 
 
 def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], power: Any,
@@ -386,11 +345,13 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
     policy: Policy = arm_policy(arm, engine.tiers, planner)
     k = parse_arm(arm)
     planner.reset_online()
-    ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
-    engine.prepare(ks, concurrency)
-    warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
-    engine.run(warm, policy, concurrency=concurrency)
-    planner.reset_online()
+    if (concurrency, arm) not in setup.warmed:  # graphs and kernels of this arm's shapes, once
+        ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
+        engine.prepare(ks, concurrency)
+        warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
+        engine.run(warm, policy, concurrency=concurrency)
+        planner.reset_online()
+        setup.warmed.add((concurrency, arm))
     if power is None:
         return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
                           reference=reference), None
@@ -421,51 +382,87 @@ def exact_float32(device: torch.device, dtype: str) -> Iterator[bool | None]:
 
 
 def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run every (concurrency, arm), write the results JSON atomically (again after every row)
-    and return it."""
+    """Run every (concurrency, arm, repeat), write the results JSON atomically (again after every
+    row) and return it."""
+    return run_sources(config, [(config.acceptance, config.drift, config.out)], on_row=on_row)[0]
+
+
+def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | None, str]], *,
+                on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Several served acceptances ``(acceptance, drift, out)`` in one process: one engine, its
+    captured graphs and the plain reference outputs (they depend on the prompts only) serve all."""
     device = parse_device(config.device, BenchError)
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     concurrency = _ints(config.concurrency if config.concurrency is not None else d.concurrency,
                         "--concurrency")
-    arms = parse_arms(config.arms)
     max_new = config.max_new_tokens if config.max_new_tokens is not None else d.max_new_tokens
     prompt_len = config.prompt_len if config.prompt_len is not None else d.prompt_len
     limit = config.time_limit_s if config.time_limit_s is not None else d.time_limit_s
-    for option, value in (("--max-new-tokens", max_new), ("--prompt-len", prompt_len),
-                          ("--prompts", config.prompts if config.prompts is not None else 1)):
+    per_c = config.prompts if isinstance(config.prompts, dict) else {}
+    counts = {c: per_c.get(c, d.prompts(c)) if isinstance(config.prompts, dict) or config.prompts is None
+              else config.prompts for c in concurrency}
+    for option, value in (("--max-new-tokens", max_new), ("--prompt-len", prompt_len), ("--repeats", config.repeats),
+                          ("--prompts", min(counts.values()))):
         if value < 1:
             raise BenchError(f"{option}: must be >= 1, got {value}")
     if config.dtype not in (None, "bfloat16", "float16", "float32"):
         raise BenchError(f"--dtype: must be bfloat16, float16 or float32, got {config.dtype!r}")
-    counts = {c: config.prompts if config.prompts is not None else d.prompts(c) for c in concurrency}
+    if config.arms is not None:
+        parse_arms(config.arms)
     planner = load(config.policy, on_gpu_mismatch="warn")
     dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
+    served = [resolve_served(config, planner, acc, drift, out, concurrency, counts, prompt_len, max_new)
+              for acc, drift, out in sources]
+    arms = {a for s in served for c in concurrency for a in s.arms[c]}
+    fixed = sorted({k for a in arms if (k := parse_arm(a)) is not None})
+    results = []
     with exact_float32(device, dtype) as tf32:
-        setup = build(dataclasses.replace(config, dtype=dtype), planner, device, concurrency, arms,
+        setup = build(dataclasses.replace(config, dtype=dtype), planner, device, concurrency, fixed, "auto" in arms,
                       max(counts.values()), prompt_len, max_new)
-        header = _header(config, setup, device, prompt_len, max_new, tf32, tolerance)
-
-        def write(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
-            # rewritten after every row: a run cut short still leaves the rows it finished
-            results = {"header": {**header, "complete": complete}, "rows": rows}
-            atomic_write_text(Path(config.out), json.dumps(results, indent=1) + "\n")
-            if on_row is not None and rows and not complete:
-                on_row(rows[-1])
-            return results
-
-        rows = _serve_all(setup, config, device, concurrency, arms, counts, limit, tolerance, write)
-    return write(rows, True)
+        power = _power(device)
+        references: dict[int, RunResult] = {}
+        for one in served:
+            header = _header(config, setup, one, device, prompt_len, max_new, tf32, tolerance)
+            write = _writer(one.out, header, on_row)
+            rows = _serve_all(setup, config, one, concurrency, counts, limit, tolerance, power, references, write)
+            results.append(write(rows, True))
+        if power is not None:
+            power.close()
+    return results
 
 
-def _header(config: BenchConfig, setup: Setup, device: torch.device, prompt_len: int, max_new: int,
+def _writer(out: str, header: dict[str, Any], on_row: Callable[[dict[str, Any]], None] | None):
+    def write(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        # rewritten after every row: a run cut short still leaves the rows it finished
+        results = {"header": {**header, "complete": complete}, "rows": rows, "summary": summarise(rows)}
+        atomic_write_text(Path(out), json.dumps(results, indent=1) + "\n")
+        if on_row is not None and rows and not complete:
+            on_row(rows[-1])
+        return results
+
+    return write
+
+
+def _power(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    from spectune.autotune.nvml import NvmlSampler
+
+    return NvmlSampler(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.device, prompt_len: int, max_new: int,
             tf32: bool | None, tolerance: NearTie) -> dict[str, Any]:
     hw, sw = hardware_facts(device), software_facts()
+    tuned = setup.planner.table.acceptance
     return {
         "gpu": hw.gpu, "driver": hw.driver, "policy": str(config.policy),
         "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
         "target": setup.target, "drafter": setup.drafter, "spectune": __version__, "torch": sw.torch,
-        "triton": sw.triton, "method": METHOD, "acceptance": setup.acceptance.source,
+        "triton": sw.triton, "method": METHOD, "acceptance": served.source,
+        "tuned_acceptance": tuned.get("source") if tuned else None, "drift": served.drift is not None,
+        "repeats": config.repeats, "arms": {str(c): list(a) for c, a in served.arms.items()},
         "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
         "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
         "tf32": tf32, "near_tie_tolerance": str(tolerance),
@@ -473,40 +470,41 @@ def _header(config: BenchConfig, setup: Setup, device: torch.device, prompt_len:
     }
 
 
-def _serve_all(setup: Setup, config: BenchConfig, device: torch.device, concurrency: Sequence[int],
-               arms: Sequence[str], counts: dict[int, int], limit: float | None, tolerance: NearTie,
-               write: Callable[[list[dict[str, Any]], bool], Any]) -> list[dict[str, Any]]:
-    power = None
-    if device.type == "cuda":
-        from spectune.autotune.nvml import NvmlSampler
+def rotated(arms: Sequence[str], repeat: int) -> list[str]:
+    """Repeat r runs the arms rotated by r (plain first in repeat 0), so no arm is always last."""
+    order = ["plain", *[a for a in arms if a != "plain"]] if "plain" in arms else list(arms)
+    r = repeat % len(order)
+    return order[r:] + order[:r]
 
-        power = NvmlSampler(device.index if device.index is not None else torch.cuda.current_device())
-    ordered = ["plain"] + [a for a in arms if a != "plain"]
+
+def _serve_all(setup: Setup, config: BenchConfig, served: Served, concurrency: Sequence[int],
+               counts: dict[int, int], limit: float | None, tolerance: NearTie, power: Any,
+               references: dict[int, RunResult], write: Callable[[list[dict[str, Any]], bool], Any]) -> list[dict[str, Any]]:
     prompt_len, max_new = len(setup.requests[0].prompt), setup.requests[0].max_new_tokens
     from tqdm.auto import tqdm
 
     rows: list[dict[str, Any]] = []
-    with tqdm(total=len(concurrency) * len(ordered), disable=not config.progress, desc="bench",
-              unit="run", leave=False) as bar:
+    total = sum(len(served.arms[c]) for c in concurrency) * config.repeats
+    with tqdm(total=total, disable=not config.progress, desc="bench", unit="run", leave=False) as bar:
         for c in concurrency:
             requests = setup.requests[: counts[c]]
-            plain: RunResult | None = None
-            for arm in ordered:
-                bar.set_postfix_str(f"c={c} {arm}")
-                reference = plain.outputs if plain is not None else None
-                res, reading = measure(setup, arm, c, requests, power, limit, reference)
-                if plain is None:
-                    plain = res
-                    setup.replay.load(res.outputs, setup.accept, setup.coins)
-                if arm in arms:
-                    pred = predict(setup, arm, c, len(requests), prompt_len + max_new // 2, config.seed, res)
-                    rows.append(row_for(arm, c, res, reading, plain, pred, tolerance))
+            if c not in references:  # plain greedy outputs: the replay's continuations (not a row)
+                references[c], _ = measure(setup, "plain", c, requests, None, None)
+            plain = references[c]
+            for r in range(config.repeats):
+                accept, coins = draws(served, len(requests), setup.max_k, max_new, config.seed, r)
+                setup.replay.load(plain.outputs, accept, coins)
+                for arm in rotated(served.arms[c], r):
+                    bar.set_postfix_str(f"c={c} {arm} #{r}")
+                    res, reading = measure(setup, arm, c, requests, power, limit, plain.outputs)
+                    pred = predict(setup, served, arm, c, len(requests), prompt_len + max_new // 2, config.seed, res,
+                                   config.predict_at_measured_accept and r == 0)
+                    rows.append({**row_for(arm, c, res, reading, plain, pred, tolerance), "repeat": r})
                     write(rows, False)
-                bar.update(1)
-    if power is not None:
-        power.close()
+                    bar.update(1)
     return rows
 
 
-__all__ = ["NEAR_TIE", "BenchConfig", "BenchError", "FixedPolicy", "NearTie", "TorchPagedAttention", "arm_policy",
-           "bench_tiers", "classify_mismatches", "parse_arm", "row_for", "run_bench"]
+__all__ = ["NEAR_TIE", "ArmError", "BenchConfig", "BenchError", "FixedPolicy", "NearTie", "TorchPagedAttention",
+           "arm_policy", "bench_tiers", "classify_mismatches", "parse_arm", "parse_arms", "row_for", "run_bench", "weighted_quantile",
+           "run_sources"]

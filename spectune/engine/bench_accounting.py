@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from spectune.autotune.acceptance import AcceptanceModel
-from spectune.autotune.simulator import simulate
+from spectune.autotune.whatif import Predicted, predict_arm
 from spectune.engine.engine import RunResult
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
@@ -108,44 +110,36 @@ def accept_scale_for(length: Callable[[float], float], target: float, hi: float,
     return (lo + hi) / 2
 
 
+ITL_SAMPLE = 200  # per-token latencies kept per row (evenly spaced quantiles)
 SIM_REQUESTS = 128  # simulated requests per prediction at least: the bench's workload, replicated
-
-
-@dataclass(frozen=True)
-class _Sim:
-    goodput_tok_s: float | None
-    mean_accept_len: float
 
 
 def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], Any], res: RunResult, *,
                    speculative: bool, concurrency: int, requests: int, decode_tokens: int, context_len: int,
-                   seed: int) -> Prediction:
+                   seed: int, drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
+                   at_measured_accept: bool = True) -> Prediction:
     """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
 
-    The simulator plays the bench's workload: a closed run of ``requests`` requests of exactly
-    ``decode_tokens`` tokens after the prefill's first, at ``concurrency`` (the batch drains once the
-    queue is empty), replicated over seeds up to ``SIM_REQUESTS`` requests so that the sampling
-    noise of a few requests does not enter the prediction.
+    The simulator plays the bench's workload through ``whatif.predict_arm`` (the code path of
+    ``spectune simulate``): a closed run of ``requests`` requests of exactly ``decode_tokens``
+    tokens after the prefill's first, at ``concurrency``, replicated over seeds up to
+    ``SIM_REQUESTS`` requests so that the sampling noise of a few requests does not enter the
+    prediction; ``drift`` and ``prior`` as the bench serves and ranks.
     ``make_policy()`` gives a fresh policy (online state reset). With the acceptance rescaled the
     error left is the cost model's and what the simulator leaves out (ride-along rows, the order
-    of admissions); over the measured steps it is the cost model's alone."""
+    of admissions); over the measured steps it is the cost model's alone.
+    ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations)."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
-    def run(scale: float) -> _Sim:
-        tokens, seconds, slots = 0, 0.0, 0
-        for i in range(reps):
-            sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
-                           steps=1_000_000, requests=requests, seed=seed + i, accept_scale=scale,
-                           mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed")
-            slot_steps = round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
-            tokens, seconds, slots = tokens + sim.tokens, seconds + sim.seconds, slots + slot_steps
-        rate = tokens / seconds if seconds > 0 else math.inf
-        return _Sim(rate if math.isfinite(rate) else None, tokens / max(1, slots))
+    def run(scale: float) -> Predicted:
+        return predict_arm(cost, acceptance, make_policy, concurrency=concurrency, requests=requests,
+                           decode_tokens=decode_tokens, context_len=context_len, seeds=range(seed, seed + reps),
+                           drift=drift, prior=prior, accept_scale=scale)
 
     try:
         base = run(1.0).goodput_tok_s
         at_accept = None if speculative else base
-        measured = res.mean_accept_len_clean if speculative else None
+        measured = res.mean_accept_len_clean if speculative and at_measured_accept else None
         if measured is not None:
             # past 1 / (smallest rate) every rate is clipped to 1: the longest acceptance there is
             smallest = min((a for c in acceptance.components for a in c.accept if a > 0), default=1.0)
@@ -157,3 +151,120 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     ms = sum(step_ms(timed, b, k, tier) for b, k, tier in res.step_shapes)
     at_steps = res.decode_tokens / ms * 1e3 if ms > 0 and res.decode_tokens else None
     return Prediction(base, at_accept, at_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# repeats: means, 95 % t-intervals, auto / best other arm
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """Mean and the two-sided Student-t interval of the mean (lo = hi = mean for one value)."""
+    if not values:
+        return None
+    from scipy.stats import t
+
+    n, mean = len(values), float(sum(values) / len(values))
+    if n == 1:
+        return mean, mean, mean
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per (concurrency, arm): decode tok/s over repeats (mean, 95 % interval, timed-out runs);
+    per concurrency: auto / the best other arm (by mean) and auto / plain, each the mean and
+    interval of the per-repeat ratios (arms of one repeat share the acceptance draws)."""
+    arms: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        arms.setdefault((r["concurrency"], r["arm"]), {})[r.get("repeat", 0)] = r
+    per_arm: list[dict[str, Any]] = []
+    for (c, arm), runs in arms.items():
+        stat = mean_interval([x["decode_tok_s"] for x in runs.values() if x["decode_tok_s"]])
+        per_arm.append({"concurrency": c, "arm": arm, "repeats": len(runs),
+                        "timed_out": sum(bool(x.get("timed_out")) for x in runs.values()),
+                        "decode_tok_s": stat[0] if stat else None, "ci95": [stat[1], stat[2]] if stat else None})
+    ratios = []
+    for c in sorted({c for c, _ in arms}):
+        here: dict[str, dict[str, Any]] = {str(s["arm"]): s for s in per_arm if s["concurrency"] == c}
+        others = {a: s for a, s in here.items() if a != "auto" and s["decode_tok_s"]}
+        if "auto" not in here or not others:
+            continue
+        best = max(others, key=lambda a: others[a]["decode_tok_s"])
+        entry: dict[str, Any] = {"concurrency": c, "best_other": best}
+        for name, base in (("vs_best_other", best), ("vs_plain", "plain")):
+            pairs = [(arms[(c, "auto")][i], arms[(c, base)][i]) for i in arms[(c, "auto")]
+                     if (c, base) in arms and i in arms[(c, base)]]
+            stat = mean_interval([a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs
+                                  if a["decode_tok_s"] and b["decode_tok_s"]])
+            entry[name] = stat[0] if stat else None
+            entry[f"{name}_ci95"] = [stat[1], stat[2]] if stat else None
+        ratios.append(entry)
+    return {"arms": per_arm, "ratios": ratios}
+
+
+# ---------------------------------------------------------------------------------------------
+# one results row
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    v, w = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
+    order = np.argsort(v)
+    cw = np.cumsum(w[order])
+    return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
+
+
+def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: RunResult,
+            predicted: Prediction, tolerance: NearTie) -> dict[str, Any]:
+    lat, wts = res.itl_ms, res.itl_tokens
+    per_token = np.repeat(np.asarray(lat, dtype=float), np.asarray(wts, dtype=int)) if lat else np.zeros(0)
+    sample = (np.quantile(per_token, np.linspace(0, 1, min(ITL_SAMPLE, len(per_token)))).round(4).tolist()
+              if len(per_token) else None)
+    ttft = [t for t in res.ttft_ms if t is not None]
+    energy = getattr(reading, "energy_j", None) if reading is not None else None
+    bad = classify_mismatches(res.outputs, plain, tolerance)
+    done = sum(res.done)
+    spec = any(k > 0 for k in res.k_hist)
+    return {
+        "concurrency": concurrency,
+        "arm": arm,
+        "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
+        "decode_tok_s": res.decode_tok_s,
+        "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
+        "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
+        "ttft_ms": float(np.median(ttft)) if ttft else None,
+        "mean_accept_len": res.mean_accept_len if spec else None,
+        "mean_accept_len_clean": res.mean_accept_len_clean if spec else None,
+        "k_hist": {str(k): n for k, n in res.k_hist.items()},
+        "power_w": getattr(reading, "mean_power_w", None),
+        "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
+        "sm_clock_mhz": getattr(reading, "sm_clock_mhz", None),
+        "throttle_reasons": getattr(reading, "throttle_names", None) if reading is not None else None,
+        "completed": done,
+        "failed": len(res.done) - done,
+        "mismatches": bad.total,
+        "near_tie_mismatches": bad.near_tie,
+        "hard_mismatches": bad.hard,
+        "first_mismatch_index": bad.first,
+        "diverged_requests": res.diverged_requests,
+        "predicted_tok_s": predicted.decode_tok_s,
+        "predicted_tok_s_at_measured_accept": predicted.at_measured_accept,
+        "predicted_tok_s_at_measured_steps": predicted.at_measured_steps,
+        "prediction_error": ratio_minus_one(res.decode_tok_s, predicted.decode_tok_s),
+        "prediction_error_at_measured_accept": ratio_minus_one(res.decode_tok_s, predicted.at_measured_accept),
+        "itl_ms": sample,
+        "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
+        "steps": res.steps,
+        "tokens": res.tokens,
+        "decode_tokens": res.decode_tokens,
+        "seconds": res.seconds,
+        "decode_seconds": res.decode_ms / 1e3,
+        "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
+        "idle_rows": res.idle_rows,
+        "host_waits": res.waits,
+        "drafter_calls": res.drafter_calls,
+        "graph_captures_in_run": res.captures,
+        "timed_out": res.timed_out,
+    }

@@ -8,11 +8,14 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             cache (one captured graph per token bucket, ``prefill.py``); the argmax at the last
             prompt token is the first output token
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
-  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup)
+  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
+            ``rates`` (if any) go to a proposer with ``set_rates``
   draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K))
   step      ``verifier.step(...)``: allocate, pack, target graph replay, greedy accept, stats
   advance   on the device: KV length and output count += emitted, last token = last emitted;
-            one non-blocking copy of the emitted tokens into pinned host memory
+            a proposer with ``record_step`` (the replay drafter) adds the step's grants and
+            accepted drafts to each request's history; one non-blocking copy of the emitted
+            tokens into pinned host memory
 
 Completion is by ``max_new_tokens`` (random-weight greedy decoding has no end-of-sequence token).
 The device caps each request's drafts at ``remaining - 1`` so no request emits more than it asked
@@ -193,17 +196,19 @@ class Engine:
         """Capture (CUDA) or run once (elsewhere) the prefill forwards that admitting 1..max_group
         prompts of these lengths at once will use: graphs and kernels specialised on the
         forward's shapes are built here, not inside a timed run."""
-        sizes: set[int] = set()
+        groups: dict[int, tuple[int, int]] = {}  # bucket -> one (prompts, length) admission that uses it
         for g in range(1, min(max_group, self.max_batch) + 1):
             for n in set(prompt_lens):
                 for pieces in schedule([n] * g, self.prefill_chunk, self.prefill_tokens):
-                    sizes.add(self.prefill.bucket(sum(p.length for p in pieces)))
+                    groups.setdefault(self.prefill.bucket(sum(p.length for p in pieces)), (g, n))
         if self.prefill.capture:
-            self.prefill.prepare(sorted(sizes))
+            self.prefill.prepare(sorted(groups))
             return
-        for size in sorted(sizes):  # eager: compile the kernels once per shape
-            self.state.block_tables[:1].fill_(TRASH_BLOCK)
-            self.prefill.run([(1,) * size], 0)
+        for g, n in groups.values():  # eager: compile the kernels once per shape
+            # the admission itself (g prompts of n tokens in rows 0..g-1, KV into the trash block):
+            # one prompt of the bucket's length would overrun a request's block table
+            self.state.block_tables[:g].fill_(TRASH_BLOCK)
+            self.prefill.run([(1,) * n] * g, 0)
 
     def check(self, requests: Sequence[Request], concurrency: int) -> None:
         if not 1 <= concurrency <= min(self.max_batch, self.tiers[-1]):
@@ -230,6 +235,10 @@ class Engine:
         self.verifier.poll_stats()  # drop counts of earlier runs
         self._reset()
         observe = getattr(policy, "observe", None)
+        proposer = self.drafts.proposer
+        reset_history = getattr(proposer, "reset_history", None)
+        if reset_history is not None:
+            reset_history()  # per-request acceptance history starts empty (replay_drafter)
         run, marks = RunLog(requests, reference), Marks(self.cuda)
         queue = deque(range(len(requests)))
         k_hist: dict[int, int] = {}
@@ -257,6 +266,7 @@ class Engine:
                     observe(stats.accepted_per_pos, stats.offered_per_pos)
                     observed += 1
             plan = self._checked(policy.plan(n), n)
+            self._share_rates(policy)
             drafts = conf = k_valid = None
             if plan.k > 0:
                 drafts, conf = self.drafts(n, plan.k)
@@ -278,6 +288,12 @@ class Engine:
         return run.result(marks, iter_marks, k_hist, tier_hist, seconds, observed,
                           self.drafts.calls - calls0, self._captures() - captures0, timed_out)
 
+    def _share_rates(self, policy: Policy) -> None:
+        """The policy's live population rates (``Planner.rates``) to a proposer that ranks by them."""
+        rates, set_rates = getattr(policy, "rates", None), getattr(self.drafts.proposer, "set_rates", None)
+        if rates is not None and set_rates is not None:
+            set_rates(rates)
+
     def _captures(self) -> int:
         return self.drafts.captures + self.prefill.captures
 
@@ -297,6 +313,9 @@ class Engine:
     def _advance(self, run: RunLog, out: StepOutput, n: int, it: int) -> None:
         s = self.state
         num = out.num_out  # [n] int32, accepted + 1
+        record = getattr(self.drafts.proposer, "record_step", None)
+        if out.k > 0 and record is not None:  # device ops on the step's outputs: no host sync
+            record(s.request[:n], out.grant, num - 1)
         s.produced[:n] += num
         s.context_lens[:n] += num  # the last real token and the accepted drafts are now cached
         last = out.out_tokens.gather(1, (num.long() - 1).clamp_(min=0)[:, None])  # [n, 1]

@@ -17,8 +17,13 @@ before it, and the target's greedy acceptance does the rest. ``accept[r]`` is on
 an acceptance model per request (its class); ``coins`` are uniforms keyed by (request, output
 index), so arms that verify different K see the same hard and easy tokens.
 
-The confidences handed to the verifier's allocation are ``accept[r, :k]``: the request class's
-prior, not a per-token probability.
+The confidences handed to the verifier's allocation are what a runtime knows, never the sampled
+``accept`` rows: each request's own acceptance history shrunk toward the population rates
+(``spectune.runtime.request_history``), from two device counters per request, accepted and
+expected-accepted drafts, which ``record_step`` updates from each step's grants and accepted
+counts (device ops on the step's outputs, no host sync). ``reset_history`` (at the start of every
+engine run) zeroes them and restores the rates to the prior, so a request starts at the
+population; ``set_rates`` takes the policy's live estimate (``Planner.rates``) when it has one.
 
 The replay is faithful only while a run's context is the reference's. When a request's emitted
 tokens leave its reference (in bf16 a near tie can flip between plain and verification forwards),
@@ -42,6 +47,7 @@ import torch
 from torch import Tensor
 
 from spectune.errors import SpectuneError
+from spectune.runtime.request_history import expected_accepts, request_confidences
 
 
 class DraftError(SpectuneError):
@@ -136,7 +142,8 @@ class DraftGraphs:
 
 class ReplayDrafter:
     def __init__(self, *, max_requests: int, max_len: int, max_k: int, vocab_size: int,
-                 device: torch.device | str, cost_drafter: Any = None, hidden: Tensor | None = None):
+                 device: torch.device | str, cost_drafter: Any = None, hidden: Tensor | None = None,
+                 prior: Sequence[float] | None = None):
         if min(max_requests, max_len, max_k, vocab_size) < 1:
             raise DraftError("replay", "max_requests, max_len, max_k and vocab_size must be >= 1")
         if cost_drafter is not None and hidden is None:
@@ -149,6 +156,42 @@ class ReplayDrafter:
         self.coins = torch.ones(max_requests, max_len, dtype=torch.float32, device=dev)  # [R, L]
         self.offsets = torch.arange(max_k, dtype=torch.int64, device=dev)  # [max_k]
         self.cost_calls = 0
+        base = list(prior) if prior else [0.7]
+        self.prior = [float(min(1.0, max(0.0, a))) for a in (base + [base[-1]] * max_k)[:max_k]]
+        self.rates = torch.tensor(self.prior, dtype=torch.float32, device=dev)  # [max_k] population rates
+        self.rates_cum = torch.zeros(max_k + 1, dtype=torch.float32, device=dev)  # [max_k + 1] 0, cumsum
+        self.hist_acc = torch.zeros(max_requests, dtype=torch.float32, device=dev)  # [R] accepted drafts
+        self.hist_exp = torch.zeros(max_requests, dtype=torch.float32, device=dev)  # [R] expected accepts
+        self._host_rates: list[float] | None = None
+        self.reset_history()
+
+    # -- per-request history (what the allocation ranks by) -------------------------------------
+
+    def reset_history(self) -> None:
+        """A new run: every request starts at the population, rates back to the prior."""
+        self.hist_acc.zero_()
+        self.hist_exp.zero_()
+        self._host_rates = None
+        self.set_rates(self.prior)
+
+    def set_rates(self, rates: Sequence[float]) -> None:
+        """The population rates [<= max_k] (the policy's live estimate); copied only when changed."""
+        values = [float(min(1.0, max(0.0, a))) for a in list(rates)[: self.max_k]]
+        values += self.prior[len(values):]
+        if values == self._host_rates:
+            return
+        self._host_rates = values
+        host = torch.tensor(values, dtype=torch.float32)
+        if self.rates.device.type == "cuda":
+            host = host.pin_memory()
+        self.rates.copy_(host, non_blocking=self.rates.device.type == "cuda")
+        torch.cumsum(self.rates, 0, out=self.rates_cum[1:])
+
+    def record_step(self, request: Tensor, granted: Tensor, accepted: Tensor) -> None:
+        """After a verify step: request [n] int64, granted [n] and accepted [n] drafts (device)."""
+        acc = accepted.long()
+        self.hist_acc.index_add_(0, request, acc.float())
+        self.hist_exp.index_add_(0, request, expected_accepts(self.rates_cum, granted.long(), acc))
 
     def load(self, references: Sequence[Sequence[int]], accept: Tensor, coins: Tensor) -> None:
         """Write a run's references [R][<= L], conditional rates [R, >= max_k] and coins
@@ -177,7 +220,8 @@ class ReplayDrafter:
         req = inp.request  # [rows] int64
         pos = (inp.produced.long()[:, None] + self.offsets[None, :k]).clamp_(0, self.max_len - 1)  # [rows, k]
         truth = self.reference[req[:, None], pos]  # [rows, k]
-        conf = self.accept[req, :k]  # [rows, k]
-        kept = self.coins[req[:, None], pos] < conf
+        kept = self.coins[req[:, None], pos] < self.accept[req, :k]  # the sampled truth decides drafts...
         drafts = torch.where(kept, truth, (truth + 1) % self.vocab_size)
+        # ... the allocation sees only each request's history: [rows, k]
+        conf = request_confidences(self.rates[:k], self.hist_acc[req], self.hist_exp[req])
         return drafts, conf

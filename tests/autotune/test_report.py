@@ -354,3 +354,13 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     out.write_text("x")
     assert main(["report", str(BENCH), "--out", str(out)]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_timed_out_runs_are_warned():
+    from spectune.autotune.report import result_warnings
+    from spectune.autotune.report_inputs import BenchRow, ResultSet
+
+    rows = (BenchRow(concurrency=4, arm="auto", output_tok_s=1.0, timed_out=True, repeat=2),
+            BenchRow(concurrency=4, arm="plain", output_tok_s=1.0, timed_out=False, repeat=2))
+    warnings = result_warnings(ResultSet("b", "b", "b.json", "bench", {}, rows))
+    assert warnings == ["b.json: concurrency 4, arm auto (repeat 2): timed out at the time limit"]

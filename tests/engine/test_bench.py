@@ -21,7 +21,7 @@ from spectune.engine.bench_accounting import (
 )
 from tests.engine.test_engine import write_policy
 
-ARGS = ["--concurrency", "1,2", "--arms", "plain,fixed:2,auto", "--prompts", "3", "--max-new-tokens", "8",
+ARGS = ["--concurrency", "1,2", "--arms", "plain,fixed:2,auto", "--repeats", "1", "--prompts", "3", "--max-new-tokens", "8",
         "--prompt-len", "9", "--device", "cpu", "--no-progress"]
 
 
@@ -53,7 +53,8 @@ def test_bench_writes_results_the_report_reads(results):
         assert row.mean_accept_len_clean == row.mean_accept_len
     assert rs.get(1, "plain").k_counts.keys() == {0} and rs.get(1, "plain").mean_accept_len is None
     assert rs.get(2, "fixed:2").k_counts.keys() == {2}
-    assert rs.get(2, "auto").k_counts.keys() <= {2, 3}
+    auto = rs.get(2, "auto").k_counts  # the online correction may move K (min_evidence 1 in this table)
+    assert auto.keys() <= {0, 1, 2, 3} and max(auto) > 0
     assert rs.get(1, "fixed:2").mean_accept_len > 1.0
 
 
@@ -157,7 +158,7 @@ def test_bench_classifies_a_forced_near_tie(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "row_for", flipped)
     policy = write_policy(tmp_path / "policy.yaml")
     out = tmp_path / "r.json"
-    args = ["--concurrency", "2", "--arms", "plain,fixed:2,auto", "--prompts", "2", "--max-new-tokens", "6",
+    args = ["--concurrency", "2", "--arms", "plain,fixed:2,auto", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "6",
             "--prompt-len", "5", "--device", "cpu", "--no-progress"]
     assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spectune.engine.bench import (
-    BenchError,
+    ArmError,
     FixedPolicy,
     TorchPagedAttention,
     arm_policy,
@@ -197,6 +197,21 @@ def test_replayed_acceptance_sets_the_acceptance_length(rig, plain):
     assert res.outputs == plain.outputs and res.mean_accept_len == 1.0
 
 
+def test_engine_keeps_each_requests_acceptance_history_on_the_device(rig, plain):
+    load_replay(rig, plain.outputs, accept=1.0)
+    rig.engine.drafts.proposer = rig.replay  # the replay itself (its record_step), not the counter
+    try:
+        res = rig.engine.run(rig.requests, FixedPolicy(3, rig.engine.tiers), concurrency=4)
+    finally:
+        rig.engine.drafts.proposer = rig.proposer
+    need = [m - 1 for m in MAX_NEWS]
+    # every granted draft accepted: accepted drafts = decode tokens - one bonus token per (request, step)
+    assert rig.replay.hist_acc.sum().item() == sum(need) - len(res.itl_tokens)
+    # expected at the prior's 0.7 per position: less than what the requests accepted
+    assert 0 < rig.replay.hist_exp.sum().item() < rig.replay.hist_acc.sum().item()
+    assert rig.replay.hist_acc[2].item() == 0  # max_new_tokens 1: done at its prefill, never drafted
+
+
 def test_time_limit_leaves_requests_unfinished(rig):
     res = rig.engine.run(rig.requests, FixedPolicy(0, rig.engine.tiers), concurrency=2, time_limit_s=0.0)
     assert res.timed_out and not any(res.done)
@@ -209,7 +224,7 @@ def test_parse_arm(arm, k):
 
 @pytest.mark.parametrize("arm", ["fixed", "fixed:-1", "greedy", "fixed:x"])
 def test_bad_arm_names_the_field(arm):
-    with pytest.raises(BenchError, match="arm"):
+    with pytest.raises(ArmError, match="arm"):
         parse_arm(arm)
 
 

@@ -1,0 +1,108 @@
+"""Held-out A/B: one policy served on several acceptance sources in one process (``spectune bench``).
+
+One engine, its captured graphs and the plain reference outputs (they depend on the prompts only)
+serve every source; per source the arms are plain, the simulator's best fixed K and its
+neighbours, and auto, each ``--repeats`` times interleaved (order rotated per repeat). Writes
+OUT/bench_heldout_<source>_<tag>.json per source and prints auto / best other arm and auto / plain
+(means over repeats with 95 % intervals) per source and concurrency.
+
+Time on the H200 (qwen3-8b + eagle-1l, bf16, from benchmarks/results/bench_ab_bf16_ctx320_h200.json:
+per decode step 6.5 / 9 ms plain / K 3-4 at c = 1, 7.9 / 13.6 ms at c = 64, 13.7 / 37 ms at
+c = 256; prefill ~30 000 tokens/s): prompt 288 + 64 new tokens keeps the tuned context 320;
+requests 6 / 32 / 64 / 256 at c = 1 / 16 / 64 / 256 give ~7 / 5 / 5 / 17 s per repeat of five
+arms (prefill is half of it at c = 256), so ~110 s per source with 3 repeats; two sources per
+call plus ~100 s of setup fit 9 minutes:
+
+    PYTHONPATH=. python benchmarks/heldout_ab.py --sources humaneval,mtbench --out $OUT
+    PYTHONPATH=. python benchmarks/heldout_ab.py --sources high,low --out $OUT
+    PYTHONPATH=. python benchmarks/heldout_ab.py --sources drift,tuned --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SOURCES = {
+    "humaneval": "spectune/data/traces/humaneval-ngram.jsonl.gz",
+    "mtbench": "spectune/data/traces/mtbench-ngram.jsonl.gz",
+    "high": "curve:" + ",".join(f"{0.9 ** i:.6g}" for i in range(1, 16)),
+    "low": "curve:" + ",".join(f"{0.55 ** i:.6g}" for i in range(1, 16)),
+    "tuned": "public:EAGLE-3/Llama-3.1-8B-Instruct/MT-Bench",
+}
+DRIFT = ("high", "low")  # the "drift" source: high for the first half of each run's requests, then low
+POLICY = "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml"
+PROMPTS = {1: 6, 16: 32, 64: 64, 256: 256}  # requests per concurrency (others: 2 waves)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sources", required=True, help=f"comma list of {', '.join([*SOURCES, 'drift'])}")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--policy", default=POLICY)
+    p.add_argument("--concurrency", default="1,16,64,256")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=288)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=None, help="requests per concurrency (default: PROMPTS)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per timed run")
+    p.add_argument("--device", default=None)
+    p.add_argument("--target", default=None)
+    p.add_argument("--tag", default="h200", help="file name suffix")
+    return p.parse_args(argv)
+
+
+def served(name: str) -> tuple[str | None, str | None]:
+    """(acceptance, drift) of a named source."""
+    if name == "drift":
+        return None, f"{SOURCES[DRIFT[0]]},{SOURCES[DRIFT[1]]}"
+    if name not in SOURCES:
+        raise SystemExit(f"heldout_ab: unknown source {name!r} (known: {', '.join([*SOURCES, 'drift'])})")
+    return SOURCES[name], None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from spectune.engine.bench import BenchConfig, run_sources
+    from spectune.errors import SpectuneError
+
+    names = [n.strip() for n in args.sources.split(",") if n.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    prompts = args.prompts if args.prompts is not None else {c: PROMPTS.get(c, 2 * c) for c in conc}
+    config = BenchConfig(policy=args.policy, out=str(out / "unused.json"), concurrency=conc, prompts=prompts,
+                         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, device=args.device,
+                         target=args.target, time_limit_s=args.time_limit, repeats=args.repeats, progress=False,
+                         predict_at_measured_accept=False)
+    jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json")) for n in names]
+    try:
+        results = run_sources(config, jobs)
+    except SpectuneError as exc:
+        print(f"heldout_ab: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{'source':>10} {'conc':>5} {'best other':>10} {'auto/best [95%]':>24} {'auto/plain [95%]':>24} "
+          f"{'timed out':>9}")
+    for name, res in zip(names, results, strict=True):
+        timed_out = {}
+        for a in res["summary"]["arms"]:
+            timed_out[a["concurrency"]] = timed_out.get(a["concurrency"], 0) + a["timed_out"]
+        for r in res["summary"]["ratios"]:
+            print(f"{name:>10} {r['concurrency']:>5} {r['best_other']:>10} "
+                  f"{_ci(r['vs_best_other'], r['vs_best_other_ci95']):>24} "
+                  f"{_ci(r['vs_plain'], r['vs_plain_ci95']):>24} {timed_out.get(r['concurrency'], 0):>9}")
+    (out / f"heldout_summary_{args.tag}.json").write_text(json.dumps(
+        {n: r["summary"] | {"acceptance": r["header"]["acceptance"],
+                             "tuned_acceptance": r["header"]["tuned_acceptance"]} for n, r in zip(names, results, strict=True)},
+        indent=1) + "\n")
+    return 0
+
+
+def _ci(v: float | None, lo_hi: list[float] | None) -> str:
+    return f"{v:.3f} [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if v is not None and lo_hi else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

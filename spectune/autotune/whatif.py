@@ -1,0 +1,222 @@
+"""What-if of serving a policy table: plain, fixed K and the table's planner through the simulator.
+
+One code path for ``spectune simulate`` and the bench's predictions: ``predict_arm`` plays a closed
+run of ``requests`` requests of ``decode_tokens`` tokens each at ``concurrency`` (the batch drains
+once the queue is empty, as a bench run does) through ``simulate``, once per seed, and pools
+tokens over seconds; ``simulate_table`` evaluates the cost model at the context the policy was
+tuned for (``planner.cost.context_len``). Allocation ranks by each request's own history (``simulate``'s default);
+rates come from the policy's ``rates`` (the planner's live estimate) or ``prior``.
+
+Arms (as in the bench): ``plain`` (K = 0), ``fixed:K`` (K drafts for every request, all verified),
+``auto`` (a fresh planner per run, ``make_planner()``, so online state never leaks between runs).
+Default arms: plain, every fixed K 1..min(max_k, 7), the best fixed K by the simulator and its
+neighbours, auto. The bench's default: plain, the best fixed K and its neighbours, auto.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.simulator import FixedK, PolicyFn, simulate
+from spectune.errors import SpectuneError
+from spectune.runtime.costs import CostModel
+from spectune.runtime.planner import Plan, smallest_tier
+
+FIXED_ARMS_MAX = 7  # default fixed arms: K = 1..min(max_k, FIXED_ARMS_MAX)
+
+
+class ArmError(SpectuneError):
+    """Bad arm or drift settings; the message names the option."""
+
+
+# ---------------------------------------------------------------------------------------------
+# arms
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """K drafts for every request, all verified (K = 0: plain decoding, the drafter never runs).
+    A batch whose b * (K + 1) tokens exceed the largest tier verifies what that tier holds."""
+
+    k: int
+    tiers: tuple[int, ...]
+
+    def plan(self, batch_size: int) -> Plan:
+        budget = batch_size * self.k
+        tier = smallest_tier(self.tiers, batch_size + budget)
+        if tier is None:
+            budget = max(0, self.tiers[-1] - batch_size)
+            tier = smallest_tier(self.tiers, batch_size + budget)
+        return Plan(self.k if budget > 0 else 0, budget, tier)
+
+
+def parse_arm(arm: str) -> int | None:
+    """``plain`` -> 0, ``fixed:K`` -> K, ``auto`` -> None (the policy table decides)."""
+    text = arm.strip().lower()
+    if text == "plain":
+        return 0
+    if text == "auto":
+        return None
+    head, _, tail = text.partition(":")
+    if head == "fixed" and tail.isdigit() and 0 <= int(tail) <= 64:
+        return int(tail)
+    raise ArmError(f"arm {arm!r}: not plain, fixed:K (K in 0..64) or auto")
+
+
+def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
+    arms = [a.strip().lower() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
+    if not arms:
+        raise ArmError("--arms: no arm given (plain, fixed:K, auto)")
+    for a in arms:
+        try:
+            parse_arm(a)
+        except ArmError as exc:
+            raise ArmError(f"--arms: {exc}") from None
+    return tuple(dict.fromkeys(arms))
+
+
+def neighbours(best_k: int, max_k: int) -> list[int]:
+    return [k for k in (best_k - 1, best_k, best_k + 1) if 1 <= k <= max_k]
+
+
+def default_arms(max_k: int, best_k: int) -> tuple[str, ...]:
+    """plain, fixed:1..min(max_k, 7), the best fixed K and its neighbours, auto."""
+    ks = sorted(set(range(1, min(max_k, FIXED_ARMS_MAX) + 1)) | set(neighbours(best_k, max_k)))
+    return ("plain", *(f"fixed:{k}" for k in ks), "auto")
+
+
+def bench_default_arms(max_k: int, best_k: int) -> tuple[str, ...]:
+    """plain, the best fixed K by the simulator and its neighbours, auto."""
+    return ("plain", *(f"fixed:{k}" for k in neighbours(best_k, max_k)), "auto")
+
+
+def split_drift(text: str) -> tuple[str, str]:
+    """``A,B`` -> (A, B): the comma outside parentheses that is not followed by a number (curves
+    and mixtures hold commas between numbers)."""
+    depth, cuts = 0, []
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0 and not text[i + 1:].lstrip()[:1].replace(".", "0").isdigit():
+            cuts.append(i)
+    if len(cuts) != 1 or not text[: cuts[0]].strip() or not text[cuts[0] + 1:].strip():
+        raise ArmError(f"--drift {text!r}: give two acceptance sources A,B (e.g. curve:0.9,0.81,public:...)")
+    return text[: cuts[0]].strip(), text[cuts[0] + 1:].strip()
+
+
+def drift_source(first: AcceptanceModel, second: AcceptanceModel) -> str:
+    return f"drift: {first.source} -> {second.source} (requests of the second half)"
+
+
+# ---------------------------------------------------------------------------------------------
+# predictions
+
+
+@dataclass(frozen=True)
+class Predicted:
+    goodput_tok_s: float | None  # decode tokens / simulated seconds, seeds pooled (None: no step)
+    mean_accept_len: float  # emitted tokens per request per step, bonus included
+    itl_p50_ms: float | None  # mean over seeds of each run's token-weighted quantile
+    itl_p99_ms: float | None
+    k_hist: dict[int, int] = field(default_factory=dict)  # steps per K over all seeds
+
+
+def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], PolicyFn], *,
+                concurrency: int, requests: int, decode_tokens: int, context_len: int, seeds: Sequence[int],
+                drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
+                accept_scale: float = 1.0) -> Predicted:
+    """A closed run of ``requests`` requests of ``decode_tokens`` tokens per seed (module doc)."""
+    tokens, seconds, slots, p50, p99 = 0, 0.0, 0, [], []
+    k_hist: dict[int, int] = {}
+    for s in seeds:
+        sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
+                       steps=1_000_000, requests=requests, seed=s, accept_scale=accept_scale,
+                       mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed",
+                       drift=drift, prior=prior)
+        slots += round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
+        tokens, seconds = tokens + sim.tokens, seconds + sim.seconds
+        p50.append(sim.itl_p50_ms)
+        p99.append(sim.itl_p99_ms)
+        for k, n in sim.k_hist.items():
+            k_hist[k] = k_hist.get(k, 0) + n
+    rate = tokens / seconds if seconds > 0 else math.inf
+    return Predicted(rate if math.isfinite(rate) else None, tokens / max(1, slots),
+                     sum(p50) / len(p50) if p50 else None, sum(p99) / len(p99) if p99 else None,
+                     dict(sorted(k_hist.items())))
+
+
+def best_fixed_k(cost: CostModel, acceptance: AcceptanceModel, max_k: int, *, tiers: Sequence[int] | None = None,
+                 **workload: Any) -> int:
+    """The fixed K in 1..max_k with the highest predicted goodput (``predict_arm``'s workload)."""
+    def goodput(k: int) -> float:
+        fixed = FixedK(k) if tiers is None else FixedPolicy(k, tuple(sorted(tiers)))
+        return predict_arm(cost, acceptance, lambda: fixed, **workload).goodput_tok_s or 0.0
+
+    scores = {k: goodput(k) for k in range(1, max(1, max_k) + 1)}
+    return max(scores, key=lambda k: scores[k])
+
+
+def tuned_prior(table: Any) -> list[float] | None:
+    """The population rates a runtime starts from: the table's ``policy.online.prior``, else the
+    mean curve of the acceptance it was tuned on, else None (the served model's mean)."""
+    if table.policy is not None and table.policy.online.prior:
+        return list(table.policy.online.prior)
+    if table.acceptance:
+        return list(AcceptanceModel.from_dict(table.acceptance).mean_conditional())
+    return None
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """Inputs of ``simulate_table``: the planner factory, the served acceptance (and drift)."""
+
+    make_planner: Callable[[], Any]  # a fresh runtime Planner per run (``spectune.runtime.planner.load``)
+    acceptance: AcceptanceModel
+    drift: AcceptanceModel | None = None
+    requests: Callable[[int], int] = lambda c: min(1024, max(64, 8 * c))  # per concurrency
+    repeats: int = 3  # seeds per (concurrency, arm), pooled
+    decode_tokens: int = 127
+    seed: int = 0
+
+
+def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str] | None) -> dict[str, Any]:
+    """Every (concurrency, arm) through ``predict_arm``; rows and the auto / best other ratio."""
+    planner = what.make_planner()
+    table = planner.table
+    max_k = min(planner.k_hi, what.acceptance.max_k)
+    prior = tuned_prior(table)
+    rows: list[dict[str, Any]] = []
+    for c in concurrency:
+        work = dict(concurrency=c, requests=what.requests(c), decode_tokens=what.decode_tokens,
+                    context_len=planner.cost.context_len, drift=what.drift, prior=prior,
+                    seeds=range(what.seed, what.seed + what.repeats))
+        best = best_fixed_k(planner.cost, what.acceptance, max_k, **work)
+        chosen = arms if arms is not None else default_arms(max_k, best)
+        here = []
+        for arm in chosen:
+            k = parse_arm(arm)
+
+            def make(k: int | None = k) -> Any:
+                return FixedK(k) if k is not None else what.make_planner()
+
+            p = predict_arm(planner.cost, what.acceptance, make, **work)
+            here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s,
+                         "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,
+                         "itl_p99_ms": p.itl_p99_ms, "k_hist": {str(k): n for k, n in p.k_hist.items()},
+                         "requests": work["requests"], "best_fixed_k": best})
+        _ratio_to_best_other(here)
+        rows += here
+    served = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
+    tuned = table.acceptance.get("source") if table.acceptance else None
+    return {"rows": rows, "acceptance": served, "tuned_acceptance": tuned, "drift": what.drift is not None,
+            "context_len": planner.cost.context_len, "repeats": what.repeats}
+
+
+def _ratio_to_best_other(rows: list[dict[str, Any]]) -> None:
+    others = [r["goodput_tok_s"] for r in rows if r["arm"] != "auto" and r["goodput_tok_s"]]
+    for r in rows:
+        r["ratio_vs_best_other"] = (r["goodput_tok_s"] / max(others)
+                                    if r["arm"] == "auto" and others and r["goodput_tok_s"] else None)

@@ -1,0 +1,30 @@
+"""benchmarks/heldout_ab.py end to end on CPU (tiny preset, short settings)."""
+
+import json
+import runpy
+from pathlib import Path
+
+from tests.engine.test_engine import write_policy
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "heldout_ab.py"
+
+
+def test_heldout_script_writes_one_results_file_per_source(tmp_path, capsys):
+    policy = write_policy(tmp_path / "p.yaml")
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "out"
+    argv = ["--sources", "low,drift", "--out", str(out), "--policy", str(policy), "--concurrency", "1,2",
+            "--repeats", "2", "--prompt-len", "5", "--max-new-tokens", "6", "--prompts", "2", "--device", "cpu",
+            "--tag", "cpu"]
+    assert main(argv) == 0
+    low = json.loads((out / "bench_heldout_low_cpu.json").read_text())
+    drift = json.loads((out / "bench_heldout_drift_cpu.json").read_text())
+    assert low["header"]["acceptance"].startswith("curve:0.55,0.3025") and low["header"]["drift"] is False
+    assert drift["header"]["acceptance"].startswith("drift: curve:0.9,") and drift["header"]["drift"] is True
+    for res in (low, drift):
+        assert res["header"]["tuned_acceptance"] == "curve:0.8,0.6,0.45" and res["header"]["complete"]
+        assert {r["repeat"] for r in res["rows"]} == {0, 1}
+        assert {r["concurrency"] for r in res["summary"]["ratios"]} == {1, 2}
+    table = capsys.readouterr().out
+    assert "auto/best" in table and table.count("drift") == 2
+    assert (out / "heldout_summary_cpu.json").exists()
