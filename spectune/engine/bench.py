@@ -344,13 +344,13 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
     engine, planner = setup.engine, setup.planner
     policy: Policy = arm_policy(arm, engine.tiers, planner)
     k = parse_arm(arm)
-    planner.reset_online()
     if (concurrency, arm) not in setup.warmed:  # graphs and kernels of this arm's shapes, once
         ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
         engine.prepare(ks, concurrency)
         warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
+        state = planner.snapshot_online()
         engine.run(warm, policy, concurrency=concurrency)
-        planner.reset_online()
+        planner.restore_online(state)  # the short warm-up teaches the controller nothing
         setup.warmed.add((concurrency, arm))
     if power is None:
         return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
@@ -470,6 +470,15 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
     }
 
 
+def train_online(setup: Setup, concurrency: int, requests: list[Request]) -> None:
+    """auto is measured at steady state, as a server runs: the controller starts from the table,
+    then one untimed run of this traffic (the repeat-0 draws; with drift, both halves, so a timed
+    run starts adapted to the second half and must detect the switch) trains its estimate, and
+    the timed runs continue from there. A cold start's cost is the simulator's to show."""
+    setup.planner.reset_online()
+    setup.engine.run(requests, arm_policy("auto", setup.engine.tiers, setup.planner), concurrency=concurrency)
+
+
 def rotated(arms: Sequence[str], repeat: int) -> list[str]:
     """Repeat r runs the arms rotated by r (plain first in repeat 0), so no arm is always last."""
     order = ["plain", *[a for a in arms if a != "plain"]] if "plain" in arms else list(arms)
@@ -494,6 +503,8 @@ def _serve_all(setup: Setup, config: BenchConfig, served: Served, concurrency: S
             for r in range(config.repeats):
                 accept, coins = draws(served, len(requests), setup.max_k, max_new, config.seed, r)
                 setup.replay.load(plain.outputs, accept, coins)
+                if r == 0 and "auto" in served.arms[c]:
+                    train_online(setup, c, requests)
                 for arm in rotated(served.arms[c], r):
                     bar.set_postfix_str(f"c={c} {arm} #{r}")
                     res, reading = measure(setup, arm, c, requests, power, limit, plain.outputs)

@@ -22,7 +22,9 @@ with m = ``SHRINK`` pseudo-drafts and d = ``DRIFT_SHRINK`` pseudo-accepts (as th
 without new drafts the estimate returns to the prior and its bounds widen). Positions never tested (deeper than any K run so far) follow
 the drifted prior with the prior's uncertainty.
 
-Decision for batch b (every ``online.decide_every`` observed steps, for the batch last planned):
+Decision for batch b (every ``online.decide_every`` observed steps for the batch last planned,
+and in ``plan`` when the batch size changes to one whose choice is that stale -- a draining
+batch visits each size for a step or two):
 candidates are every K in [min_k, max_k] (K = 0 included) with every verify budget that fills a
 captured tier (b*K if a tier holds it, else the largest tier that does not), each with its step
 time from the cost model precomputed at load. Expected tokens of a candidate under rates a are
@@ -168,6 +170,7 @@ class Planner:
         # online state (reset_online sets it): per batch the current choice and the probe shape;
         # decayed counts per position (slow estimate A/T, fast window Af/Tf); rates and bounds
         self._choice: list[Plan] = []
+        self._decided_at: list[int] = []  # observed step of each batch size's last decision
         self._probe: list[Plan | None] = []
         self._A: list[float] = []
         self._T: list[float] = []
@@ -230,6 +233,9 @@ class Planner:
     # -- per step -------------------------------------------------------------------------------
 
     def plan(self, batch_size: int) -> Plan:
+        if batch_size != self._last_batch and 0 < batch_size <= self.max_batch \
+                and self._steps - self._decided_at[batch_size] >= self.online.decide_every:
+            self._decide(batch_size)  # a batch size reached again (or first) with a stale choice
         self._last_batch = batch_size
         if 0 < batch_size <= self.max_batch:
             probe = self._probe[batch_size]
@@ -311,10 +317,11 @@ class Planner:
         self.phi = max(1.0, (1.0 - PHI_WEIGHT) * self.phi + PHI_WEIGHT * d2)
         return False
 
-    def _decide(self) -> None:
-        b = self._last_batch
+    def _decide(self, b: int | None = None) -> None:
+        b = self._last_batch if b is None else b
         if b is None or not 0 < b <= self.max_batch or not self._cands[b]:
             return
+        self._decided_at[b] = self._steps
         cur = self._choice[b]
         cur_ms = next((ms for p, ms in self._cands[b] if p is cur or p == cur), None)
         if cur_ms is None:
@@ -369,10 +376,20 @@ class Planner:
         """Batch sizes whose plan the controller changed from the table's row, and the plan."""
         return {b: p for b, p in enumerate(self._choice) if b and p != self._table[b]}
 
+    def snapshot_online(self) -> dict[str, Any]:
+        """The controller's state (copies), for ``restore_online``."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items()
+                if k in _ONLINE_STATE}
+
+    def restore_online(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, list(v) if isinstance(v, list) else v)
+
     def reset_online(self) -> None:
         """Forget the live estimate and every online choice: back to the table."""
         self._choice = list(self._table)
         self._probe = list(self._first_probe)
+        self._decided_at = [-self.online.decide_every] * (self.max_batch + 1)
         self._reset_estimate()
         self._steps = 0
         self._since_probe = 0
@@ -383,6 +400,10 @@ class Planner:
         self._A, self._T, self._Af, self._Tf = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         self._a, self._lo, self._hi = list(self.prior), [0.0] * n, [1.0] * n
         self._estimate()
+
+
+_ONLINE_STATE = ("_choice", "_probe", "_decided_at", "_A", "_T", "_Af", "_Tf", "_a", "_lo", "_hi", "drift", "phi", "_steps",
+                 "_since_probe", "_last_batch", "changes", "probes", "clamped", "uncaptured")
 
 
 def _calibration(f: Sequence[float], batch: int, budget: int) -> float:

@@ -1,5 +1,6 @@
 """Held-out evaluation: the shipped H200 policy, tuned on one acceptance source, served (in the
-simulator) on others -- the real trace sets, a high and a low curve, a two-class mixture -- at
+simulator) on others -- the real trace sets, a high and a low curve, a shift from one to the other
+half-way, a two-class mixture -- at
 concurrency 1..256, against plain decoding and every fixed K 1..7. Never judge a policy only on
 the acceptance it was tuned on."""
 
@@ -29,6 +30,7 @@ SERVED = {
     **{path.name.split(".")[0]: str(path) for path in sorted(TRACES.glob("*.jsonl.gz"))},  # every shipped trace set
     "high-0.9": "curve:" + curve(lambda i: 0.9 ** i),
     "low-0.55": "curve:" + curve(lambda i: 0.55 ** i),
+    "drift": "curve:" + curve(lambda i: 0.9 ** i) + " then curve:" + curve(lambda i: 0.55 ** i),
     "two-class": f"mixture:0.5*curve({curve(lambda i: 0.85 ** i)})+0.5*curve({curve(lambda i: 0.5 ** i)})",
 }
 CONCURRENCY = (1, 16, 64, 256)
@@ -43,12 +45,12 @@ def table():
     return read_table(POLICY)
 
 
-def goodput(cost, acc, make_fn, c, ctx, seeds=(0, 1)):
+def goodput(cost, acc, make_fn, c, ctx, seeds=(0, 1), drift=None):
     """Geometric mean over seeds (common random numbers across arms); batch 1 runs longer so
     that as many requests finish as at larger batches."""
     steps = 4000 if c == 1 else 1200
     logs = [math.log(simulate(cost, acc, make_fn(), concurrency=c, steps=steps, seed=s, context_len=ctx,
-                              mean_output_tokens=128.0).goodput_tok_s) for s in seeds]
+                              mean_output_tokens=128.0, drift=drift).goodput_tok_s) for s in seeds]
     return math.exp(sum(logs) / len(logs))
 
 
@@ -58,11 +60,13 @@ def test_policy_holds_on_traffic_it_was_not_tuned_on(table, source):
     assert "public:EAGLE-3" in table.acceptance["source"]  # tuned on the public curve, not on these
     cost = CostModel.of(table)
     ctx = table.policy.context_len
-    acc = load_acceptance(SERVED[source], max_k=table.workload.max_k)
+    first, _, second = SERVED[source].partition(" then ")  # drift: the second half of arrivals
+    acc = load_acceptance(first, max_k=table.workload.max_k)
+    drift = load_acceptance(second, max_k=table.workload.max_k) if second else None
     worst = math.inf
     for c in CONCURRENCY:
-        arms = {k: goodput(cost, acc, lambda k=k: FixedK(k), c, ctx) for k in range(8)}
-        auto = goodput(cost, acc, lambda: Planner(table), c, ctx)  # a fresh planner per run
+        arms = {k: goodput(cost, acc, lambda k=k: FixedK(k), c, ctx, drift=drift) for k in range(8)}
+        auto = goodput(cost, acc, lambda: Planner(table), c, ctx, drift=drift)  # a fresh planner per run
         best_k = max(arms, key=arms.__getitem__)
         ratio = auto / arms[best_k]
         worst = min(worst, ratio)
