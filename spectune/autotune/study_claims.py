@@ -263,7 +263,9 @@ class RequeueOnce:
             point = copy.copy(trial)
             point.user_attrs = {k: v for k, v in trial.user_attrs.items() if k in spec_attrs_keys()}
             before = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-            RetryHeartbeatStaleTrialCallback(max_retry=1)(study, point)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                RetryHeartbeatStaleTrialCallback(max_retry=1)(study, point)
             if len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,))) > before:
                 self.requeued.append(key)
 
@@ -279,7 +281,9 @@ def reap_dead(study: optuna.Study, lock: ClaimLock, me: dict[str, Any], requeue:
     reaped: list[str] = []
     with lock:
         before = len(requeue.requeued)
-        fail_stale_trials(study)  # RDB heartbeat: calls ``requeue`` for each trial it failed
+        with warnings.catch_warnings():  # experimental since Optuna 2.9, stable in use
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            fail_stale_trials(study)  # RDB heartbeat: calls ``requeue`` for each trial it failed
         reaped += requeue.requeued[before:]
         now = datetime.datetime.now()
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):

@@ -226,13 +226,16 @@ class ClaimLock:
         self._depth = 0
         self._thread = threading.RLock()
         self._inner: Any = None
-        base = getattr(storage, "_backend", storage)  # _CachedStorage wraps an RDBStorage
+        base = _unwrap(storage)
         if isinstance(base, optuna.storages.RDBStorage) and base.url.startswith("postgresql"):
             self._engine, self._key = base.engine, _lock_key(f"spectune-claim:{study_name}")
             self._conn: Any = None
         else:
             self._engine = None
             path = _lock_path(base)
+            if path is None and not isinstance(base, optuna.storages.InMemoryStorage):
+                raise StudyError(f"storage: {type(base).__name__} has no lock to share a study safely "
+                                 f"(a journal file, postgresql:// or sqlite:///)")
             if path is not None:
                 from filelock import FileLock
 
@@ -277,6 +280,12 @@ class ClaimLock:
                 self._conn = None
         elif self._inner is not None:
             self._inner.release()
+
+
+def _unwrap(storage: optuna.storages.BaseStorage) -> optuna.storages.BaseStorage:
+    """The RDBStorage inside Optuna's _CachedStorage; any other storage as it is."""
+    inner = getattr(storage, "_backend", None)
+    return inner if isinstance(inner, optuna.storages.RDBStorage) else storage
 
 
 def _lock_path(base: optuna.storages.BaseStorage) -> str | None:
