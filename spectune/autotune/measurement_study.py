@@ -48,6 +48,9 @@ from spectune.autotune.measurement_plan import (
     target_point,
 )
 from spectune.autotune.study_claims import (
+    COMPLETE_ATTR,
+    HARDWARE_ATTR,
+    IDENTITY_ATTR,
     RequeueOnce,
     check_identity,
     claim,
@@ -65,10 +68,11 @@ from spectune.runtime.costs import CostModel
 from spectune.runtime.table import CostError, CostModelParams
 
 __all__ = [
-    "KINDS", "InfeasiblePoint", "PointSpec", "StudyError", "StudyHandle", "StudyPlan", "StudyResult",
+    "GRACE_S", "HEARTBEAT_S", "KINDS", "InfeasiblePoint", "PointSpec", "StudyError", "StudyHandle", "StudyPlan", "StudyResult",
     "best_k_by_batch", "choose_adaptive", "collect", "default_tiers", "drafter_point", "finished_records",
-    "grid_batches", "held_out_points", "measure", "open_storage", "open_study", "plan_identity", "run_study",
-    "seed_points", "study_name_for", "target_point", "work",
+    "grid_batches", "held_out_points", "key_states", "measure", "open_storage", "open_study", "plan_identity", "run_study",
+    "seed_points", "study_name_for", "target_point", "work", "load_for_collect", "stored_identity",
+    "plan_from_identity",
 ]
 
 POLL_S = 0.2  # how often a worker with nothing to claim looks again
@@ -215,13 +219,15 @@ def _next_round(h: StudyHandle) -> str:
         if states.running:
             return "wait"
         spent = states.count("adaptive")
-        if spent >= plan.adaptive_trials:
-            return "done"
-        records = list(finished_records(h.study).values())
-        picks = choose_adaptive(plan, records, set(states.phases), min(plan.per_round, plan.adaptive_trials - spent))
-        if not picks or not enqueue(h.study, picks, "adaptive", h.lock, budget=plan.adaptive_trials):
-            return "done"
-        return "more"
+        picks = []
+        if spent < plan.adaptive_trials:
+            records = list(finished_records(h.study).values())
+            picks = choose_adaptive(plan, records, set(states.phases), min(plan.per_round, plan.adaptive_trials - spent))
+        if picks and enqueue(h.study, picks, "adaptive", h.lock, budget=plan.adaptive_trials):
+            return "more"
+        if COMPLETE_ATTR not in h.study.user_attrs:
+            h.study.set_user_attr(COMPLETE_ATTR, len(states.settled))
+        return "done"
 
 
 def work(h: StudyHandle, measure_point: Callable[[PointSpec], Any], timer: Callable[[Any], Any], *,
@@ -313,6 +319,56 @@ def run_study(
                    heartbeat_s=heartbeat_s, grace_s=grace_s)
     n = work(h, measure_point, timer, power=power, gpu=gpu, gpu_info=gpu_info, progress=progress)
     return collect(h, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# an existing study
+
+
+def _parse_ranges(text: str) -> tuple[int, ...]:
+    sizes: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        sizes.update(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(sizes))
+
+
+def plan_from_identity(ident: dict[str, Any]) -> StudyPlan:
+    return StudyPlan(batch_sizes=_parse_ranges(ident["batch_sizes"]), max_k=ident["max_k"],
+                     drafter_kind=ident["drafter_kind"], context_len=ident["context_len"],
+                     adaptive_trials=ident["trials"], held_out=ident["held_out"], per_round=ident["per_round"],
+                     seed=ident["seed"], tiers=tuple(ident["tiers"]), overhead_source=ident["overhead_source"])
+
+
+def _load(storage: str | Path | optuna.storages.BaseStorage, study_name: str) -> tuple[optuna.Study, optuna.storages.BaseStorage] | None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    st = open_storage(storage)
+    if study_name not in {s.study_name for s in st.get_all_studies()}:
+        return None
+    return optuna.load_study(study_name=study_name, storage=st), st
+
+
+def stored_identity(storage: str | Path | optuna.storages.BaseStorage, study_name: str) -> dict[str, Any] | None:
+    """The identity of an existing study (None when there is no such study)."""
+    loaded = _load(storage, study_name)
+    return None if loaded is None else loaded[0].user_attrs.get(IDENTITY_ATTR)
+
+
+def load_for_collect(storage: str | Path | optuna.storages.BaseStorage,
+                     study_name: str) -> tuple[StudyHandle, dict[str, Any], dict[str, Any] | None]:
+    """An existing study to fit, its identity and the hardware facts of the GPU it measured."""
+    loaded = _load(storage, study_name)
+    if loaded is None:
+        raise StudyError(f"--study-name: no study {study_name!r} in {storage} (`spectune status --storage "
+                         f"{storage}` lists them)")
+    study, st = loaded
+    ident = study.user_attrs.get(IDENTITY_ATTR)
+    if ident is None:
+        raise StudyError(f"study {study_name!r} has no spectune identity: not a spectune measurement study")
+    lock = ClaimLock(st, study_name)
+    h = StudyHandle(study, plan_from_identity(ident), st, lock, RequeueOnce(lock), len(finished_records(study)),
+                    False)
+    return h, ident, study.user_attrs.get(HARDWARE_ATTR)
 
 
 def hardware_dict(hardware: Any) -> dict[str, Any]:

@@ -46,6 +46,9 @@ DISTS = {
     "size": IntDistribution(0, 1 << 24),
 }
 
+DERIVED = ("tiers", "drafter_kind", "per_round", "overhead_source", "attention")
+COMPLETE_ATTR = "spectune_complete"  # set when a worker found nothing left to measure
+
 # identity key -> the option a person sets it with (for the refusal line)
 OPTION_NAMES = {
     "gpu": "the GPU model", "spectune": "the spectune version", "target": "--target", "drafter": "--drafter",
@@ -155,6 +158,11 @@ def finished_records(study: optuna.Study) -> dict[str, dict[str, Any]]:
     for key, t in key_states(study).settled.items():
         rec = {**t.user_attrs, **t.user_attrs["result"]}
         del rec["result"]
+        gpu, worker = t.user_attrs.get("gpu"), t.user_attrs.get("worker")
+        rec["gpu_uuid"] = gpu.get("uuid") if isinstance(gpu, dict) else None
+        rec["worker"] = worker.get("id") if isinstance(worker, dict) else None
+        rec["seconds"] = ((t.datetime_complete - t.datetime_start).total_seconds()
+                          if t.datetime_complete and t.datetime_start else None)
         out[key] = rec
     return out
 
@@ -181,6 +189,8 @@ def check_identity(study: optuna.Study, identity: dict[str, Any], hardware: dict
                          f"{identity.get('gpu')}: a study never mixes GPU models (leave --study-name out for one "
                          f"per GPU)")
     diff = [k for k in sorted(set(stored) | set(identity)) if stored.get(k) != identity.get(k)]
+    primary = [k for k in diff if k not in DERIVED]
+    diff = primary or diff  # the tiers follow from --batch-sizes: name the option, not its consequence
     if diff:
         parts = "; ".join(f"{OPTION_NAMES.get(k, k)} {stored.get(k)!r} there, {identity.get(k)!r} here" for k in diff)
         raise StudyError(f"study {study.study_name!r} was measured with other settings ({parts}): use another "
