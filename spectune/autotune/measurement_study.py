@@ -48,6 +48,7 @@ from spectune.autotune.measurement_plan import (
     target_point,
 )
 from spectune.autotune.study_claims import (
+    ACTIVE_RUNS,
     COMPLETE_ATTR,
     HARDWARE_ATTR,
     IDENTITY_ATTR,
@@ -241,7 +242,10 @@ def work(h: StudyHandle, measure_point: Callable[[PointSpec], Any], timer: Calla
     me = worker_identity()
     info = gpu_info or {"name": gpu}
     measured = 0
-    with _progress(h.plan.total_points, h.kept, progress) as bar:
+    ACTIVE_RUNS.add(me["run"])
+    with contextlib.ExitStack() as stack:
+        stack.callback(ACTIVE_RUNS.discard, me["run"])
+        bar = stack.enter_context(_progress(h.plan.total_points, h.kept, progress))
         while True:
             reap_dead(h.study, h.lock, me, h.requeue)
             trial = claim(h.study, h.lock, me, info)

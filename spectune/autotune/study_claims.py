@@ -23,6 +23,7 @@ import copy
 import datetime
 import os
 import socket
+import uuid
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,17 +88,24 @@ def process_start(pid: int) -> int | None:
         return None
 
 
+ACTIVE_RUNS: set[str] = set()  # run tokens of the ``work`` calls alive in this process
+
+
 def worker_identity() -> dict[str, Any]:
-    """Host (``$SPECTUNE_HOST`` or the host name), boot id, pid and process start of this worker."""
+    """Host (``$SPECTUNE_HOST`` or the host name), boot id, pid, process start and a token of this
+    run (a trial left RUNNING by an earlier run in this same process is a dead worker's too)."""
     pid = os.getpid()
     host = os.environ.get("SPECTUNE_HOST") or socket.gethostname()
-    return {"id": f"{host}:{pid}", "host": host, "boot": _boot_id(), "pid": pid, "start": process_start(pid)}
+    return {"id": f"{host}:{pid}", "host": host, "boot": _boot_id(), "pid": pid, "start": process_start(pid),
+            "run": uuid.uuid4().hex[:12]}
 
 
 def _worker_dead(worker: dict[str, Any], me: dict[str, Any]) -> bool:
     """Judged by process id only for a worker on this host (same boot); else the heartbeat decides."""
     if worker.get("host") != me["host"] or worker.get("boot") != me["boot"]:
         return False
+    if worker.get("pid") == me["pid"] and worker.get("start") == me["start"]:
+        return worker.get("run") not in ACTIVE_RUNS
     start = process_start(int(worker["pid"]))
     return start is None or (worker.get("start") is not None and start != worker["start"])
 
@@ -302,7 +310,7 @@ def reap_dead(study: optuna.Study, lock: ClaimLock, me: dict[str, Any], requeue:
                 old = t.datetime_start is not None and (now - t.datetime_start).total_seconds() > NO_WORKER_GRACE_S
                 if not old or t.user_attrs.get("key") is None:
                     continue
-            elif worker.get("id") == me["id"] or not _worker_dead(worker, me):
+            elif worker.get("run") == me["run"] or not _worker_dead(worker, me):
                 continue
             try:
                 study.tell(t.number, state=TrialState.FAIL)
