@@ -126,7 +126,7 @@ def _ranges(sizes: tuple[int, ...]) -> str:
     """(1, 2, 3, 8) -> '1-3,8'."""
     parts: list[str] = []
     start = prev = sizes[0]
-    for s in sizes[1:] + (None,):  # type: ignore[operator]
+    for s in (*sizes[1:], None):
         if s is not None and s == prev + 1:
             prev = s
             continue

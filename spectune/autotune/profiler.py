@@ -124,6 +124,18 @@ class Resolved:
     out: Path
     storage: str
 
+    @property
+    def target(self) -> str:
+        return self.config.target or DEFAULT_TARGET
+
+    @property
+    def drafter(self) -> str:
+        return self.config.drafter or DEFAULT_DRAFTER
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed or 0
+
 
 def resolve(config: ProfileConfig) -> Resolved:
     """Fill defaults for the device and check every setting (before anything is built or written)."""
@@ -153,7 +165,8 @@ def resolve(config: ProfileConfig) -> Resolved:
         raise ProfileError(f"--dtype: must be bfloat16, float16 or float32, got {dtype!r}")
     out = Path(config.out) if config.out else None
     if out is None:
-        name = Path(config.target).name or config.target  # type: ignore[arg-type]
+        target = config.target or DEFAULT_TARGET
+        name = Path(target).name or target
         out = (Path("profiles") / f"{{gpu}}_{name}_{config.drafter}.yaml" if device.type == "cuda"
                else Path(f"spectune-{name}-{config.drafter}.yaml"))
     storage = config.storage or str(out) + ".journal"
@@ -200,10 +213,10 @@ def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
     from spectune.models.build import build_models
     from spectune.models.config import parse_drafter, resolve_target
 
-    target, drafter = resolve_target(r.config.target), parse_drafter(r.config.drafter)
+    target, drafter = resolve_target(r.target), parse_drafter(r.drafter)
     models = build_models(target, drafter, device=r.device, dtype=getattr(torch, r.dtype),
                           max_batch=r.batch_sizes[-1], max_q=r.max_k + 1, context_len=r.context_len,
-                          seed=r.config.seed)
+                          seed=r.seed)
 
     def measure_point(spec: PointSpec) -> Any:
         if spec.kind == "target":
@@ -262,7 +275,7 @@ def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: 
                 attention: str | None = None) -> Table:
     from spectune.models.config import parse_drafter
 
-    drafter = parse_drafter(r.config.drafter)
+    drafter = parse_drafter(r.drafter)
     mode: Literal["cuda-graph", "wall-clock", "fake"] = "wall-clock"
     if result.timer_mode in ("cuda-graph", "fake"):
         mode = result.timer_mode  # type: ignore[assignment]
@@ -271,7 +284,7 @@ def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: 
         hardware=hardware,
         software=software_facts(),
         workload=Workload(
-            target=Path(r.config.target).name or r.config.target, drafter=drafter.name,
+            target=Path(r.target).name or r.target, drafter=drafter.name,
             drafter_kind=drafter.kind, drafter_layers=drafter.n_layers, dtype=r.dtype,  # type: ignore[arg-type]
             context_len=r.context_len, max_k=r.max_k, max_batch=r.batch_sizes[-1],
             device="cuda" if r.device.type == "cuda" else "cpu",
@@ -323,8 +336,8 @@ def setup(config: ProfileConfig) -> Setup:
     from spectune.models.config import parse_drafter, resolve_target
 
     r = resolve(adopt_study(config))
-    target = resolve_target(r.config.target)  # bad names fail here, before any file is touched
-    drafter = parse_drafter(r.config.drafter)
+    target = resolve_target(r.target)  # bad names fail here, before any file is touched
+    drafter = parse_drafter(r.drafter)
     hardware = hardware_facts(r.device)
     if "{gpu}" in str(r.out):
         r = replace(r, out=Path(str(r.out).replace("{gpu}", gpu_slug(hardware))))
@@ -332,7 +345,7 @@ def setup(config: ProfileConfig) -> Setup:
             r = replace(r, storage=str(r.out) + ".journal")
     plan = StudyPlan(
         batch_sizes=r.batch_sizes, max_k=r.max_k, drafter_kind=drafter.kind, context_len=r.context_len,
-        adaptive_trials=r.trials, held_out=r.config.held_out, seed=r.config.seed or 0,
+        adaptive_trials=r.trials, held_out=r.config.held_out, seed=r.seed,
         overhead_source="pack-kernel" if r.device.type == "cuda" else "pack-reference",
     )
     name = r.config.study_name or study_name_for(hardware.gpu, target.name, drafter.name, r.dtype,
