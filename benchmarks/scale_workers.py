@@ -55,8 +55,19 @@ def run_one(workers: int, point_s: float, folder: Path, storage: str | None) -> 
     _, frame = run_profile(config, timer=SleepRoofline(point_s), measure_point=same_step)
     wall = time.perf_counter() - start
     keys = Counter(frame["key"])
-    return {"workers": workers, "wall_s": round(wall, 2), "points": len(frame), "duplicates": sum(
+    return {"workers": workers, "wall_s": round(wall, 2), "measure_s": round(measure_span(config), 2), "points": len(frame), "duplicates": sum(
         n - 1 for n in keys.values() if n > 1), "per_worker": dict(Counter(frame["worker"])), "keys": sorted(keys)}
+
+
+def measure_span(config: ProfileConfig) -> float:
+    """Seconds from the first point claimed to the last one finished (process start excluded)."""
+    import optuna
+
+    from spectune.autotune.study_storage import open_storage
+
+    study = optuna.load_study(study_name=config.study_name, storage=open_storage(config.storage))
+    done = [t for t in study.trials if t.datetime_complete is not None and t.datetime_start is not None]
+    return (max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)).total_seconds()
 
 
 def main() -> None:
@@ -68,12 +79,15 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="spectune-scale-"))
     rows = [run_one(n, args.point_s, folder, args.storage) for n in args.workers]
     base = next((r for r in rows if r["workers"] == 1), rows[0])
-    print(f"{'workers':>7} {'wall s':>8} {'x 1 worker':>10} {'points':>6} {'dups':>4} {'same points':>11}  per worker")
+    print(f"{'workers':>7} {'wall s':>8} {'x 1':>6} {'measuring s':>11} {'x 1':>6} {'points':>6} {'dups':>4} "
+          f"{'same points':>11}  per worker")
     for r in rows:
         r["ratio"] = round(r["wall_s"] / base["wall_s"], 3)
+        r["measure_ratio"] = round(r["measure_s"] / base["measure_s"], 3)
         r["same_points"] = r["keys"] == base["keys"]
-        print(f"{r['workers']:>7} {r['wall_s']:>8.2f} {r['ratio']:>10.3f} {r['points']:>6} {r['duplicates']:>4} "
-              f"{str(r['same_points']):>11}  {sorted(r['per_worker'].values())}")
+        print(f"{r['workers']:>7} {r['wall_s']:>8.2f} {r['ratio']:>6.3f} {r['measure_s']:>11.2f} "
+              f"{r['measure_ratio']:>6.3f} {r['points']:>6} {r['duplicates']:>4} {str(r['same_points']):>11}  "
+              f"{sorted(r['per_worker'].values())}")
     dest = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / "scale_workers.json"

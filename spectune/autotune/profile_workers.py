@@ -1,6 +1,6 @@
 """``spectune profile --workers N``: N local processes measuring one study.
 
-The parent opens the study (identity, seed and held-out points), starts N spawned workers and
+The parent opens the study (identity, seed and held-out points), starts N workers and
 waits; each worker joins the study on its own device and measures until the study is complete
 (:func:`spectune.autotune.profiler.measure_for_study`). On CUDA, worker i runs on visible GPU
 ``i mod count`` (its ``CUDA_VISIBLE_DEVICES`` names that one GPU) unless ``--device cuda:N`` pins
@@ -79,7 +79,10 @@ def run_local_workers(s: Any, *, timer: Any = None, measure_point: Any = None, h
     h = open_study(s.plan, storage=r.storage, study_name=s.name, identity=s.identity,
                    hardware=_hardware(s), heartbeat_s=heartbeat_s, grace_s=grace_s)
     before = h.kept
-    ctx = multiprocessing.get_context("spawn")
+    # a fork server imports spectune (and torch) once and forks each worker from it: no worker pays
+    # the imports again, and none inherits an initialised CUDA context (each picks its own GPU)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["spectune.autotune.profile_workers", "spectune.autotune.profiler"])
     procs = [ctx.Process(target=worker_main, args=(s, i, gpus[i], timer, measure_point, heartbeat_s, grace_s),
                          name=f"spectune-worker-{i}") for i in range(n)]
     for p in procs:
