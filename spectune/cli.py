@@ -24,12 +24,13 @@ class UsageError(Exception):
 
 def _add_workload_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--target", default="tiny",
+    g.add_argument("--target", default=None,
                    help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a local "
-                        "Hugging Face checkpoint folder (config.json gives the shapes)")
-    g.add_argument("--drafter", default="eagle-1l",
+                        "Hugging Face checkpoint folder (config.json gives the shapes); default tiny, "
+                        "or the joined study's")
+    g.add_argument("--drafter", default=None,
                    help="eagle-<N>l (autoregressive EAGLE/MTP-style, N decoder layers) or "
-                        "dflash-<N>l (parallel block drafter); default eagle-1l")
+                        "dflash-<N>l (parallel block drafter); default eagle-1l, or the joined study's")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default bfloat16 on CUDA, float32 on CPU")
@@ -44,10 +45,27 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--storage", default=None,
                    help="Optuna storage URL (default: a journal file beside --out); "
                         "postgresql://... to share one study across GPUs and hosts")
-    g.add_argument("--study-name", default=None, help="default: derived from GPU and workload")
+    g.add_argument("--study-name", default=None,
+                   help="default: derived from GPU and workload; with --storage, joins that study (options left "
+                        "out are the study's)")
     g.add_argument("--trials", type=int, default=None, help="measurement trials beyond the seed grid")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="default 0")
+    g.add_argument("--workers", default="1", metavar="N|auto",
+                   help="local worker processes sharing the study (auto: one per visible GPU; on CPU, N "
+                        "processes); default 1")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _workers(text: str) -> int:
+    if text == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"--workers: expected a number or auto, got {text!r}") from None
+    if n < 1:
+        raise UsageError(f"--workers: must be >= 1 (or auto), got {n}")
+    return n
 
 
 def _profile_config(args: argparse.Namespace, out: str | None):
@@ -57,7 +75,7 @@ def _profile_config(args: argparse.Namespace, out: str | None):
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
         batch_sizes=args.batch_sizes, max_k=args.max_k, context_len=args.context_len, out=out,
         storage=args.storage, study_name=args.study_name, trials=args.trials, seed=args.seed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, workers=_workers(args.workers), collect=getattr(args, "collect", False),
     )
 
 
@@ -66,11 +84,23 @@ def _run_profile(args: argparse.Namespace, out: str | None):
     from spectune.autotune.profiler import default_out, run_profile
 
     config = _profile_config(args, out)
-    path = default_out(config)
+    path = default_out(config) if not config.collect else None
     try:
         table, frame = run_profile(config)
     except OSError as exc:
         raise UsageError(f"{exc.filename or path}: {exc.strerror or exc}") from None
+    from pathlib import Path
+
+    study = frame.attrs["study"]
+    path = Path(study["out"])
+    if config.collect:
+        print(f"collected study {study['name']} from {study['storage']}: {len(frame)} points")
+    elif study["kept"]:
+        print(f"resumed study {study['name']} in {study['storage']}: kept {study['kept']} points, "
+              f"measured {study['measured_now']} now")
+    if study["given_up"]:
+        print(f"warning: {len(study['given_up'])} points were given up (their worker died twice): "
+              f"{', '.join(study['given_up'][:5])}", file=sys.stderr)
     err = table.costs.error
     bad = int((~frame["feasible"].astype(bool)).sum()) if len(frame) else 0
     print(f"{table.hardware.gpu}: {table.workload.target} + {table.workload.drafter}, "
@@ -92,6 +122,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                                    "CUDA-graph replays and NVML power, fit the cost model, write a profile.")
     _add_workload_options(p)
     _add_study_options(p)
+    p.add_argument("--collect", action="store_true",
+                   help="measure nothing: fit the finished study named by --storage/--study-name (all its "
+                        "workers' points) and write its profile to --out")
     p.add_argument("--out", default=None,
                    help="profile YAML path; the measurement CSV and the Optuna journal go beside it "
                         "(default: profiles/<gpu>_<target>_<drafter>.yaml on CUDA, "
@@ -128,7 +161,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
         print("tuning is not available yet: the profile above is the result")
         return 0
     out = Path(args.out) if args.out else path.with_suffix(".policy.yaml")
-    policy = tune_table(profile, args.acceptance, seed=args.seed)
+    policy = tune_table(profile, args.acceptance, seed=args.seed or 0)
     write_table(policy, out)
     assert policy.policy is not None
     for row in policy.policy.rows:
@@ -549,8 +582,60 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="where the measurement studies in a storage stand",
+                       description="Per study: points done, claimed, waiting, given up, remaining, per worker, "
+                                   "and an ETA. The same storage opens in optuna-dashboard.")
+    p.add_argument("--storage", required=True, help="journal file or postgresql://... URL")
+    p.add_argument("--study-name", default=None, help="one study (default: every spectune study there)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--repair", action="store_true",
+                   help="journal file only: keep the records before a torn line (the original is kept beside it)")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from spectune.autotune.study_status import study_status
+
+    if args.repair:
+        from spectune.autotune.study_storage import repair_journal
+
+        if "://" in args.storage:
+            raise UsageError("--repair: only a journal file can be repaired")
+        kept, dropped, backup = repair_journal(args.storage)
+        print(f"repaired {args.storage}: kept {kept} records, dropped {dropped} lines from the first bad one on "
+              f"(original kept as {backup})")
+        return 0
+    studies = study_status(args.storage, args.study_name)
+    if args.json:
+        print(json.dumps([{"name": s.name, "gpu": s.gpu, "workload": s.workload, "total": s.total, "done": s.done,
+                           "claimed": s.claimed, "waiting": s.waiting, "remaining": s.remaining,
+                           "given_up": s.given_up, "complete": s.complete, "point_s": s.point_s, "eta_s": s.eta_s,
+                           "workers": [{"id": w.id, "done": w.done, "measuring": w.measuring,
+                                        "last": w.last.isoformat() if w.last else None} for w in s.workers]}
+                          for s in studies], indent=1))
+        return 0
+    if not studies:
+        print(f"{args.storage}: no spectune measurement study")
+    for s in studies:
+        eta = ("complete" if s.complete else f"ETA {s.eta_s / 60:.1f} min" if s.eta_s is not None
+               else "ETA unknown (no worker measuring)")
+        print(f"{s.name}: {s.gpu}; {s.workload}")
+        print(f"  points: {s.done} done, {s.claimed} claimed, {s.waiting} waiting, {s.remaining} remaining of "
+              f"{s.total}" + (f", {len(s.given_up)} given up" if s.given_up else "") + f"; {eta}"
+              + (f" ({s.point_s:.2f} s per point)" if s.point_s is not None else ""))
+        for w in s.workers:
+            now = f", measuring {w.measuring}" if w.measuring else ""
+            last = f", last finished {w.last:%Y-%m-%d %H:%M:%S}" if w.last else ""
+            print(f"  worker {w.id}: {w.done} done{now}{last}")
+    return 0
+
+
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_simulate, _add_bench, _add_report,
+    _add_status,
 ]
 
 

@@ -154,3 +154,33 @@ def test_simulate_bad_input(tmp_path, capsys, argv, needle):
     assert needle in one_error_line(capsys, "simulate")
     assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in one_error_line(capsys, "simulate")
+
+
+def test_status_and_collect_merge_the_study(profile, tmp_path, capsys):
+    journal = str(profile) + ".journal"
+    assert main(["status", "--storage", journal]) == 0
+    out = capsys.readouterr().out
+    assert "0 claimed, 0 waiting, 0 remaining" in out and "complete" in out and "worker " in out
+    name = out.split(":")[0]
+    merged = tmp_path / "merged.yaml"
+    assert main(["profile", "--storage", journal, "--study-name", name, "--collect", "--out", str(merged)]) == 0
+    assert f"collected study {name}" in capsys.readouterr().out
+    assert yaml.safe_load(merged.read_text())["costs"]["points"] == yaml.safe_load(profile.read_text())["costs"]["points"]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["profile", "--workers", "two"], "--workers: expected a number or auto"),
+    (["profile", "--workers", "-1"], "--workers: must be >= 1"),
+    (["profile", "--collect"], "--collect: needs --storage and --study-name"),
+    (["status", "--storage", "postgresql://x/y", "--repair"], "--repair: only a journal file"),
+])
+def test_scale_out_options_bad_input(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_collect_of_a_missing_study_names_it(profile, capsys):
+    journal = str(profile) + ".journal"
+    assert main(["profile", "--storage", journal, "--study-name", "nope", "--collect"]) == 2
+    assert "no study 'nope'" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import statistics
 import threading
 import time
@@ -247,6 +248,54 @@ class NvmlSampler:
             power_limit_w=limit_mw / 1000.0 if limit_mw is not None else None,
             sm_count=props.multi_processor_count if props is not None else None,
         )
+
+
+    def identity(self) -> dict[str, Any]:
+        """What a trial records about the GPU it ran on: name, UUID, driver, PCI bus, SM and memory
+        clocks (current and max), enforced power limit; ``{"name": "cpu"}`` without NVML."""
+        if not self.available:
+            return {"name": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)}
+        sm = getattr(self._nvml, "NVML_CLOCK_SM", NVML_CLOCK_SM)
+        mem = getattr(self._nvml, "NVML_CLOCK_MEM", 2)
+        pci = self._query("nvmlDeviceGetPciInfo")
+        limit_mw = self._query("nvmlDeviceGetEnforcedPowerLimit")
+        return {
+            "name": _text(self._query("nvmlDeviceGetName")), "uuid": _text(self._query("nvmlDeviceGetUUID")),
+            "driver": _text(self._query("nvmlSystemGetDriverVersion", with_handle=False)),
+            "index": self.device_index, "pci_bus_id": _text(getattr(pci, "busId", None)),
+            "sm_clock_mhz": self._sm_clock(), "max_sm_clock_mhz": self._query("nvmlDeviceGetMaxClockInfo", sm),
+            "mem_clock_mhz": self._query("nvmlDeviceGetClockInfo", mem),
+            "power_limit_w": limit_mw / 1000.0 if limit_mw is not None else None,
+        }
+
+
+def nvml_index(torch_index: int, visible: str | None = None) -> int:
+    """NVML counts every GPU; torch counts the ``CUDA_VISIBLE_DEVICES`` ones: torch's index ->
+    NVML's (entries given as indices; UUID entries are looked up)."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if not text:
+        return torch_index
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if torch_index >= len(entries):
+        return torch_index
+    entry = entries[torch_index]
+    if entry.isdigit():
+        return int(entry)
+    try:
+        nvml = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+        for i in range(nvml.nvmlDeviceGetCount()):
+            uuid = _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) or ""
+            if uuid.startswith(entry) or entry.startswith(uuid):
+                return i
+    except Exception:  # no NVML: readings are off anyway
+        pass
+    return torch_index
+
+
+def gpu_identity(device_index: int = 0) -> dict[str, Any]:
+    with NvmlSampler(device_index) as sampler:
+        return sampler.identity()
 
 
 def _text(value: Any) -> str | None:

@@ -14,7 +14,7 @@ import datetime
 import io
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,11 +23,18 @@ import torch
 
 from spectune.autotune.hardware import gpu_slug, hardware_facts, parse_device, software_facts
 from spectune.autotune.measurement_study import (
+    GRACE_S,
+    HEARTBEAT_S,
     PointSpec,
+    StudyHandle,
     StudyPlan,
     StudyResult,
-    run_study,
+    collect,
+    load_for_collect,
+    open_study,
+    stored_identity,
     study_name_for,
+    work,
 )
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
@@ -81,10 +88,14 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+DEFAULT_TARGET = "tiny"
+DEFAULT_DRAFTER = "eagle-1l"
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
-    target: str = "tiny"
-    drafter: str = "eagle-1l"
+    target: str | None = None  # default DEFAULT_TARGET (or the joined study's)
+    drafter: str | None = None  # default DEFAULT_DRAFTER (or the joined study's)
     device: str | None = None  # cuda, cuda:N or cpu; default cuda when present
     dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
     batch_sizes: str | tuple[int, ...] | None = None
@@ -95,8 +106,10 @@ class ProfileConfig:
     study_name: str | None = None
     trials: int | None = None  # adaptive trials beyond the seed grid
     held_out: int = 12
-    seed: int = 0
+    seed: int | None = None  # default 0 (or the joined study's)
     progress: bool = True
+    workers: int = 1  # local worker processes sharing the study (0: one per visible GPU, 1 on CPU)
+    collect: bool = False  # measure nothing: fit and write the finished study
 
 
 @dataclass(frozen=True)
@@ -111,9 +124,27 @@ class Resolved:
     out: Path
     storage: str
 
+    @property
+    def target(self) -> str:
+        return self.config.target or DEFAULT_TARGET
+
+    @property
+    def drafter(self) -> str:
+        return self.config.drafter or DEFAULT_DRAFTER
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed or 0
+
 
 def resolve(config: ProfileConfig) -> Resolved:
     """Fill defaults for the device and check every setting (before anything is built or written)."""
+    config = replace(config, target=config.target or DEFAULT_TARGET, drafter=config.drafter or DEFAULT_DRAFTER,
+                     seed=0 if config.seed is None else config.seed)
+    if config.workers < 0:
+        raise ProfileError(f"--workers: must be >= 1 (or auto), got {config.workers}")
+    if config.collect and not (config.storage and config.study_name):
+        raise ProfileError("--collect: needs --storage and --study-name (the study to fit)")
     device = parse_device(config.device, ProfileError)
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     bs = config.batch_sizes if config.batch_sizes is not None else d.batch_sizes
@@ -134,7 +165,8 @@ def resolve(config: ProfileConfig) -> Resolved:
         raise ProfileError(f"--dtype: must be bfloat16, float16 or float32, got {dtype!r}")
     out = Path(config.out) if config.out else None
     if out is None:
-        name = Path(config.target).name or config.target
+        target = config.target or DEFAULT_TARGET
+        name = Path(target).name or target
         out = (Path("profiles") / f"{{gpu}}_{name}_{config.drafter}.yaml" if device.type == "cuda"
                else Path(f"spectune-{name}-{config.drafter}.yaml"))
     storage = config.storage or str(out) + ".journal"
@@ -181,10 +213,10 @@ def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
     from spectune.models.build import build_models
     from spectune.models.config import parse_drafter, resolve_target
 
-    target, drafter = resolve_target(r.config.target), parse_drafter(r.config.drafter)
+    target, drafter = resolve_target(r.target), parse_drafter(r.drafter)
     models = build_models(target, drafter, device=r.device, dtype=getattr(torch, r.dtype),
                           max_batch=r.batch_sizes[-1], max_q=r.max_k + 1, context_len=r.context_len,
-                          seed=r.config.seed)
+                          seed=r.seed)
 
     def measure_point(spec: PointSpec) -> Any:
         if spec.kind == "target":
@@ -206,7 +238,7 @@ def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
 def measurements_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     cols = ["key", "phase", "kind", "batch", "tokens", "q", "k", "held_out", "feasible", "ms", "p20_ms",
             "p80_ms", "reps", "mode", "capture_s", "capture_mib", "joules", "power_w", "max_power_w",
-            "sm_clock_mhz", "throttle", "throttle_names", "gpu", "error"]
+            "sm_clock_mhz", "throttle", "throttle_names", "gpu", "gpu_uuid", "worker", "error"]
     rows = [{c: (";".join(r[c]) if c == "throttle_names" and r.get(c) else r.get(c)) for c in cols} for r in records]
     return pd.DataFrame(rows, columns=cols)
 
@@ -239,10 +271,11 @@ def _attention_name(device: torch.device) -> str:
     return ATTENTION_NAMES[resolve_attention("auto", device)]
 
 
-def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: str | None) -> Table:
+def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: str | None,
+                attention: str | None = None) -> Table:
     from spectune.models.config import parse_drafter
 
-    drafter = parse_drafter(r.config.drafter)
+    drafter = parse_drafter(r.drafter)
     mode: Literal["cuda-graph", "wall-clock", "fake"] = "wall-clock"
     if result.timer_mode in ("cuda-graph", "fake"):
         mode = result.timer_mode  # type: ignore[assignment]
@@ -251,11 +284,11 @@ def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: 
         hardware=hardware,
         software=software_facts(),
         workload=Workload(
-            target=Path(r.config.target).name or r.config.target, drafter=drafter.name,
+            target=Path(r.target).name or r.target, drafter=drafter.name,
             drafter_kind=drafter.kind, drafter_layers=drafter.n_layers, dtype=r.dtype,  # type: ignore[arg-type]
             context_len=r.context_len, max_k=r.max_k, max_batch=r.batch_sizes[-1],
             device="cuda" if r.device.type == "cuda" else "cpu",
-            attention=_attention_name(r.device),
+            attention=attention or _attention_name(r.device),
         ),
         costs=Costs(model=result.params, error=result.error, timer=mode, capture=_capture(result.records),
                     points=_points(result.records), measurements=csv_name),
@@ -275,26 +308,68 @@ def write_outputs(table: Table, frame: pd.DataFrame, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_profile(
-    config: ProfileConfig,
-    *,
-    timer: Callable[[Any], Any] | None = None,
-    measure_point: Callable[[PointSpec], Any] | None = None,
-    power: Any = None,
-    write: bool = True,
-) -> tuple[Table, pd.DataFrame]:
-    """Measure, fit and (unless ``write=False``) write the profile; returns the table and the
-    measurement frame. ``timer``/``measure_point``/``power`` replace the real harness (tests)."""
+@dataclass(frozen=True)
+class Setup:
+    """Everything a worker of this profile needs, resolved once."""
+
+    r: Resolved
+    plan: StudyPlan
+    name: str  # study name
+    identity: dict[str, Any]  # the profile's part of the study identity (the plan adds the rest)
+    hardware: Hardware
+
+
+def adopt_study(config: ProfileConfig) -> ProfileConfig:
+    """Joining a named study: every workload option left unset is the study's."""
+    if not (config.storage and config.study_name):
+        return config
+    ident = stored_identity(config.storage, config.study_name)
+    if not ident:
+        return config
+    fill = {"target": ident.get("target"), "drafter": ident.get("drafter"), "dtype": ident.get("dtype"),
+            "batch_sizes": ident.get("batch_sizes"), "max_k": ident.get("max_k"),
+            "context_len": ident.get("context_len"), "trials": ident.get("trials"), "seed": ident.get("seed")}
+    return replace(config, **{k: v for k, v in fill.items() if getattr(config, k) is None and v is not None})
+
+
+def setup(config: ProfileConfig) -> Setup:
     from spectune.models.config import parse_drafter, resolve_target
 
-    r = resolve(config)
-    target = resolve_target(config.target)  # bad names fail here, before any file is touched
-    drafter = parse_drafter(config.drafter)
+    r = resolve(adopt_study(config))
+    target = resolve_target(r.target)  # bad names fail here, before any file is touched
+    drafter = parse_drafter(r.drafter)
     hardware = hardware_facts(r.device)
     if "{gpu}" in str(r.out):
         r = replace(r, out=Path(str(r.out).replace("{gpu}", gpu_slug(hardware))))
         if config.storage is None:
             r = replace(r, storage=str(r.out) + ".journal")
+    plan = StudyPlan(
+        batch_sizes=r.batch_sizes, max_k=r.max_k, drafter_kind=drafter.kind, context_len=r.context_len,
+        adaptive_trials=r.trials, held_out=r.config.held_out, seed=r.seed,
+        overhead_source="pack-kernel" if r.device.type == "cuda" else "pack-reference",
+    )
+    name = r.config.study_name or study_name_for(hardware.gpu, target.name, drafter.name, r.dtype,
+                                                 r.context_len, r.max_k)
+    identity = {"target": target.name, "drafter": drafter.name, "dtype": r.dtype, "device": r.device.type,
+                "gpu": hardware.gpu, "attention": _attention_name(r.device)}
+    return Setup(r, plan, name, identity, hardware)
+
+
+def measure_for_study(s: Setup, *, timer: Callable[[Any], Any] | None = None,
+                      measure_point: Callable[[PointSpec], Any] | None = None, power: Any = None,
+                      heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> tuple[StudyHandle, int]:
+    """One worker: join the study and measure points on this process's device until it is complete."""
+    r = s.r
+    gpu_info: dict[str, Any] = {"name": s.hardware.gpu}
+    if r.device.type == "cuda":
+        from spectune.autotune.nvml import NvmlSampler, nvml_index
+
+        index = nvml_index(r.device.index or 0)
+        if power is None:
+            power = NvmlSampler(index)
+        gpu_info = power.identity() if hasattr(power, "identity") else gpu_info
+    h = open_study(s.plan, storage=r.storage, study_name=s.name, identity=s.identity,
+                   hardware=asdict(s.hardware), heartbeat_s=heartbeat_s, grace_s=grace_s)
     if measure_point is None:
         measure_point = model_point_factory(r)
     if timer is None:
@@ -302,28 +377,69 @@ def run_profile(
 
         # CPU figures only exercise the pipeline: fewer eager reps keep the default run short
         timer = default_timer(r.device) if r.device.type == "cuda" else WallClockTimer(warmup=1, reps=6, batches=2)
-    if power is None and r.device.type == "cuda":
-        from spectune.autotune.nvml import NvmlSampler
-
-        power = NvmlSampler(r.device.index or 0)
-    plan = StudyPlan(
-        batch_sizes=r.batch_sizes, max_k=r.max_k, drafter_kind=drafter.kind, context_len=r.context_len,
-        adaptive_trials=r.trials, held_out=config.held_out, seed=config.seed,
-        overhead_source="pack-kernel" if r.device.type == "cuda" else "pack-reference",
-    )
-    name = config.study_name or study_name_for(hardware.gpu, target.name, drafter.name, r.dtype,
-                                               r.context_len, r.max_k)
     threads = torch.get_num_threads()
     if r.device.type == "cpu":
         # tiny eager steps: one thread avoids oversubscription noise on shared CPUs
         torch.set_num_threads(1)
     try:
-        result = run_study(plan, measure_point, timer, storage=r.storage, study_name=name, power=power,
-                           gpu=hardware.gpu, progress=config.progress)
+        n = work(h, measure_point, timer, power=power, gpu=s.hardware.gpu, gpu_info=gpu_info,
+                 progress=r.config.progress and r.config.workers <= 1)
     finally:
         torch.set_num_threads(threads)
+    return h, n
+
+
+def run_profile(
+    config: ProfileConfig,
+    *,
+    timer: Callable[[Any], Any] | None = None,
+    measure_point: Callable[[PointSpec], Any] | None = None,
+    power: Any = None,
+    write: bool = True,
+    heartbeat_s: int = HEARTBEAT_S,
+    grace_s: int = GRACE_S,
+) -> tuple[Table, pd.DataFrame]:
+    """Measure (``config.workers`` processes), fit and (unless ``write=False``) write the profile;
+    returns the table and the measurement frame (``frame.attrs["study"]``: name, points kept from
+    an earlier run, measured now, given up). ``timer``/``measure_point``/``power`` replace the real
+    harness (tests; they must pickle for several workers)."""
+    if config.collect:
+        return collect_profile(config, write=write)
+    s = setup(config)
+    if s.r.config.workers != 1:
+        from spectune.autotune.profile_workers import run_local_workers
+
+        h, n = run_local_workers(s, timer=timer, measure_point=measure_point, heartbeat_s=heartbeat_s,
+                                 grace_s=grace_s)
+    else:
+        h, n = measure_for_study(s, timer=timer, measure_point=measure_point, power=power,
+                                 heartbeat_s=heartbeat_s, grace_s=grace_s)
+    return _finish(s.r, s.hardware, collect(h, n), write, s.identity["attention"])
+
+
+def collect_profile(config: ProfileConfig, *, write: bool = True) -> tuple[Table, pd.DataFrame]:
+    """``--collect``: fit the finished study in ``--storage``/``--study-name`` and write its profile
+    (workload and hardware are the study's, not this machine's)."""
+    resolve(config)  # option checks
+    h, ident, hw = load_for_collect(config.storage, config.study_name)  # type: ignore[arg-type]
+    hardware = Hardware(**hw) if hw else Hardware(gpu=str(ident.get("gpu")))
+    target, drafter = str(ident["target"]), str(ident["drafter"])
+    out = Path(config.out) if config.out else (
+        Path("profiles") / f"{gpu_slug(hardware)}_{target}_{drafter}.yaml" if ident["device"] == "cuda"
+        else Path(f"spectune-{target}-{drafter}.yaml"))
+    p = h.plan
+    r = Resolved(replace(config, target=target, drafter=drafter, seed=p.seed), torch.device(ident["device"]),
+                 str(ident["dtype"]), p.batch_sizes, p.max_k, p.context_len, p.adaptive_trials, out,
+                 str(config.storage))
+    return _finish(r, hardware, collect(h), write, ident.get("attention"))
+
+
+def _finish(r: Resolved, hardware: Hardware, result: StudyResult, write: bool,
+            attention: str | None) -> tuple[Table, pd.DataFrame]:
     frame = measurements_frame(result.records)
-    table = build_table(r, hardware, result, r.out.with_suffix(".csv").name)
+    frame.attrs["study"] = {"name": result.study_name, "kept": result.kept, "measured_now": result.measured_now,
+                            "given_up": list(result.given_up), "storage": r.storage, "out": str(r.out)}
+    table = build_table(r, hardware, result, r.out.with_suffix(".csv").name, attention)
     if write:
         write_outputs(table, frame, r.out)
     return table, frame

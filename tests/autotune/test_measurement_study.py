@@ -188,3 +188,141 @@ def test_nvml_readings_and_build_time_oom():
     assert not oom["feasible"] and "out of memory" in oom["error"]
     assert res.params.power.busy_w == pytest.approx(600.0, rel=0.02)
     assert res.params.power.idle_w == pytest.approx(100.0, rel=0.05)
+
+
+# --- storage you can trust: identity, torn journal lines, resume, budget -------------------------
+
+
+def small(**kw):
+    return plan(**({"batch_sizes": tuple(range(1, 9)), "max_k": 3, "adaptive_trials": 4, "held_out": 4} | kw))
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"batch_sizes": (1, 2, 3, 4)}, "--batch-sizes '1-8' there, '1-4' here"),
+    ({"seed": 9}, "--seed 3 there, 9 here"),
+    ({"max_k": 2}, "--max-k 3 there, 2 here"),
+    ({"adaptive_trials": 6}, "--trials 4 there, 6 here"),
+])
+def test_other_settings_on_the_same_study_are_refused(tmp_path, change, needle):
+    from spectune.autotune.measurement_study import StudyError
+
+    journal = str(tmp_path / "s.journal")
+    run(small(), FakeRoofline(), journal)
+    again = FakeRoofline()
+    with pytest.raises(StudyError, match="measured with other settings") as err:
+        run(small(**change), again, journal)
+    assert needle in str(err.value) and "tier list" not in str(err.value)
+    assert sum(again.calls.values()) == 0  # refused before anything was measured
+
+
+def test_study_never_mixes_gpu_models(tmp_path):
+    from spectune.autotune.measurement_study import StudyError
+
+    journal = str(tmp_path / "s.journal")
+    run_study(small(), lambda s: s, FakeRoofline(), storage=journal, study_name="t", progress=False,
+              identity={"gpu": "NVIDIA H200"}, gpu="NVIDIA H200")
+    with pytest.raises(StudyError, match="never mixes GPU models") as err:
+        run_study(small(), lambda s: s, FakeRoofline(), storage=journal, study_name="t", progress=False,
+                  identity={"gpu": "NVIDIA H100 80GB HBM3"}, gpu="NVIDIA H100 80GB HBM3")
+    assert "NVIDIA H200" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_resume_reports_the_points_it_kept_and_keeps_the_budget(tmp_path):
+    journal = str(tmp_path / "s.journal")
+    p = small()
+    total = 0
+    for stop in (7, 5, 9):  # three interruptions, one in the adaptive phase
+        timer = FakeRoofline(interrupt_after=stop)
+        with pytest.raises(KeyboardInterrupt):
+            run(p, timer, journal)
+        total += stop
+    res = run(p, FakeRoofline(), journal)
+    assert res.kept == total and res.measured_now == p.total_points - total
+    assert len(res.records) == p.total_points  # never more than the budget
+    assert sum(1 for r in res.records if r["phase"] == "adaptive") == p.adaptive_trials
+    study = optuna.load_study(study_name="test", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(journal)))
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 3 and all("KeyboardInterrupt" in t.user_attrs["interrupted"] for t in failed)
+
+
+def test_torn_last_journal_line_is_cut_and_the_study_resumes(tmp_path):
+    journal = tmp_path / "s.journal"
+    with pytest.raises(KeyboardInterrupt):
+        run(small(), FakeRoofline(interrupt_after=6), str(journal))
+    with open(journal, "ab") as f:
+        f.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 3, "user_at')  # a write cut short by a full disk
+    second = FakeRoofline()
+    res = run(small(), second, str(journal))
+    assert res.kept == 6 and len(res.records) == small().total_points
+    assert journal.read_bytes().endswith(b"\n")
+
+
+def test_bad_journal_line_inside_is_refused_with_the_recovery_command(tmp_path, capsys):
+    from spectune.autotune.measurement_study import StudyError
+    from spectune.cli import main
+
+    journal = tmp_path / "s.journal"
+    with pytest.raises(KeyboardInterrupt):
+        run(small(), FakeRoofline(interrupt_after=6), str(journal))
+    lines = journal.read_bytes().splitlines(keepends=True)
+    cut = len(lines) - 4
+    journal.write_bytes(b"".join(lines[:cut]) + lines[cut][:20] + b"".join(lines[cut:]))  # torn, then appended to
+    with pytest.raises(StudyError, match=f"line {cut + 1} is not a journal record") as err:
+        run(small(), FakeRoofline(), str(journal))
+    assert f"spectune status --storage {journal} --repair" in str(err.value)
+    assert main(["status", "--storage", str(journal), "--repair"]) == 0
+    assert f"kept {cut} records" in capsys.readouterr().out
+    assert list(tmp_path.glob("s.journal.bad-*"))  # the original is kept
+    res = run(small(), FakeRoofline(), str(journal))  # the records before the bad line resume
+    assert len(res.records) == small().total_points and res.kept >= 1
+
+
+def test_failed_write_is_rolled_back(tmp_path, monkeypatch):
+    from spectune.autotune.study_storage import SafeJournalFileBackend
+
+    path = tmp_path / "s.journal"
+    backend = SafeJournalFileBackend(str(path))
+    backend.append_logs([{"op_code": 0, "worker_id": "a"}])
+    size = path.stat().st_size
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(file, mode="r", *a, **kw):
+        f = real_open(file, mode, *a, **kw)
+        return FullDisk(f) if mode == "ab" else f
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    with pytest.raises(OSError, match="No space"):
+        backend.append_logs([{"op_code": 1, "worker_id": "a", "payload": "x" * 100}])
+    monkeypatch.undo()
+    assert path.stat().st_size == size and path.read_bytes().endswith(b"\n")
+
+
+def test_status_counts_points_and_workers(tmp_path):
+    from spectune.autotune.study_status import study_status
+
+    journal = str(tmp_path / "s.journal")
+    p = small()
+    with pytest.raises(KeyboardInterrupt):
+        run(p, FakeRoofline(interrupt_after=10), journal)
+    (st,) = study_status(journal)
+    assert (st.done, st.claimed, st.total) == (10, 0, p.total_points) and st.remaining == p.total_points - 10
+    assert st.waiting >= 1 and not st.complete and st.eta_s is None  # nobody measures now
+    assert [w.done for w in st.workers] == [10]
+    run(p, FakeRoofline(), journal)
+    (st,) = study_status(journal, "test")
+    assert st.complete and st.remaining == 0 and sum(w.done for w in st.workers) == p.total_points
