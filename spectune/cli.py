@@ -7,15 +7,63 @@ Library errors (SpectuneError and its subclasses, e.g. TableError) become one li
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 
 from spectune import __version__
 from spectune.errors import SpectuneError
+from spectune.runtime.table import MAX_BATCH, MAX_CONTEXT, MAX_K
 
 
 class UsageError(Exception):
     """Bad command-line input; printed as one line, exit code 2."""
+
+
+class _BadArgument(Exception):
+    """argparse refused the command line; the message is the whole line to print."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (``spectune tune: error: ...``) and exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _BadArgument(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+SEED_MAX = 2**32 - 1  # numpy and Optuna seeds
+TRIALS_MAX = 100_000
+BENCH_MAX_TOKENS = 32_768  # prompt + new tokens per request: the bench allocates each request's KV up front
+INTERRUPTED = {  # what a Ctrl-C leaves behind, per command
+    "profile": "the measurement study resumes where it stopped: run the same command again",
+    "autotune": "the measurement study resumes where it stopped: run the same command again",
+    "tune": "the policy search runs in memory: nothing was written, run it again",
+    "bench": "the rows measured so far are in --out",
+}
+
+
+def _number(kind: type, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    """argparse type: an int or a finite float within [lo, hi] ((lo, hi] with ``lo_open``)."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo:g}, got {text}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE = _number(float, 0.0, lo_open=True)
+SEED = _number(int, 0, SEED_MAX)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -35,8 +83,10 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="default bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--batch-sizes", default=None,
                    help="range or list, e.g. 1-256 or 1,2,4,8 (default 1-256 on CUDA, 1-16 on CPU)")
-    g.add_argument("--max-k", type=int, default=None, help="largest draft length (default 15 on CUDA, 7 on CPU)")
-    g.add_argument("--context-len", type=int, default=None, help="KV context per request (default 2048 on CUDA, 256 on CPU)")
+    g.add_argument("--max-k", type=_number(int, 1, MAX_K), default=None,
+                   help="largest draft length (default 15 on CUDA, 7 on CPU)")
+    g.add_argument("--context-len", type=_number(int, 1, MAX_CONTEXT), default=None,
+                   help="KV context per request (default 2048 on CUDA, 256 on CPU)")
 
 
 def _add_study_options(p: argparse.ArgumentParser) -> None:
@@ -45,8 +95,9 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
                    help="Optuna storage URL (default: a journal file beside --out); "
                         "postgresql://... to share one study across GPUs and hosts")
     g.add_argument("--study-name", default=None, help="default: derived from GPU and workload")
-    g.add_argument("--trials", type=int, default=None, help="measurement trials beyond the seed grid")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trials", type=_number(int, 0, TRIALS_MAX), default=None,
+                   help="measurement trials beyond the seed grid")
+    g.add_argument("--seed", type=SEED, default=0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -72,6 +123,7 @@ def _run_profile(args: argparse.Namespace, out: str | None):
     except OSError as exc:
         raise UsageError(f"{exc.filename or path}: {exc.strerror or exc}") from None
     err = table.costs.error
+    _warn_profile(table, "this profile")
     bad = int((~frame["feasible"].astype(bool)).sum()) if len(frame) else 0
     print(f"{table.hardware.gpu}: {table.workload.target} + {table.workload.drafter}, "
           f"{table.workload.dtype}, context {table.workload.context_len}, batch 1..{table.workload.max_batch}, "
@@ -80,6 +132,32 @@ def _run_profile(args: argparse.Namespace, out: str | None):
     print(f"cost model error on {err.held_out} held-out points: median {err.median_rel:.1%}, max {err.max_rel:.1%}")
     print(f"wrote {path} and {path.with_suffix('.csv')}")
     return table, path
+
+
+def _warn_profile(table, what: str) -> None:
+    """Loud warnings about the cost model a table carries (held-out error, inconsistent points)."""
+    from spectune.autotune.fit import error_warning
+    from spectune.runtime.costs import consistent_rows
+
+    line = error_warning(table.costs.error)
+    if line:
+        print(f"WARNING: {line}; {what} inherits it", file=sys.stderr)
+    _, notes = consistent_rows(table.costs.model.target, table.costs.points, table.workload.context_len)
+    for note in notes:
+        print(f"warning: residual correction: {note}", file=sys.stderr)
+
+
+def _progress(label: str):
+    """A callback ``(done, total)`` printing ``label: done/total`` on stderr about every 10 %."""
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth != last[0] or done == total:
+            last[0] = tenth
+            print(f"{label}: {done}/{total}", file=sys.stderr, flush=True)
+
+    return show
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,9 +196,13 @@ def _add_autotune(sub: argparse._SubParsersAction) -> None:
 def cmd_autotune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from spectune.autotune.acceptance import resolve_acceptance
+    from spectune.autotune.profiler import resolve
     from spectune.runtime.table import write_table
 
     profile_out = str(Path(args.out).with_suffix(".profile.yaml")) if args.out else None
+    # a bad acceptance source fails now, not after the whole profile
+    acceptance = resolve_acceptance(args.acceptance, resolve(_profile_config(args, profile_out)).max_k)
     profile, path = _run_profile(args, profile_out)
     try:
         from spectune.autotune.tune_pipeline import tune_table
@@ -128,7 +210,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
         print("tuning is not available yet: the profile above is the result")
         return 0
     out = Path(args.out) if args.out else path.with_suffix(".policy.yaml")
-    policy = tune_table(profile, args.acceptance, seed=args.seed)
+    policy = tune_table(profile, acceptance, seed=args.seed)
     write_table(policy, out)
     assert policy.policy is not None
     for row in policy.policy.rows:
@@ -147,22 +229,25 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                         "metrics:FILE, FILE.jsonl (default: a published EAGLE-3 curve)")
     p.add_argument("--out", required=True, help="policy table YAML path")
     p.add_argument("--objective", default="goodput", choices=["goodput", "energy", "latency"])
-    p.add_argument("--latency-bound-ms", type=float, default=None, help="step (p99 ITL) bound for --objective latency")
-    p.add_argument("--capture-budget-mib", type=float, default=None, help="graph capture memory budget")
-    p.add_argument("--capture-seconds", type=float, default=None, help="graph capture time budget")
-    p.add_argument("--trials", type=int, default=40, help="Optuna trials of the tier-set study")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--latency-bound-ms", type=POSITIVE, default=None,
+                   help="step (p99 ITL) bound for --objective latency")
+    p.add_argument("--capture-budget-mib", type=POSITIVE, default=None, help="graph capture memory budget")
+    p.add_argument("--capture-seconds", type=POSITIVE, default=None, help="graph capture time budget")
+    p.add_argument("--trials", type=_number(int, 1, TRIALS_MAX), default=40, help="Optuna trials of the tier-set study")
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--pareto", action="store_true", help="multi-objective study; prints the Pareto front")
-    p.add_argument("--max-batch", type=int, default=None, help="largest batch size covered (default: the profile's)")
-    p.add_argument("--smooth", type=float, default=0.005,
+    p.add_argument("--max-batch", type=_number(int, 1, MAX_BATCH), default=None,
+                   help=f"largest batch size covered (default: the profile's; at most {MAX_BATCH})")
+    p.add_argument("--smooth", type=_number(float, 0.0, 0.999), default=0.005,
                    help="K schedule smoothing: fewest K changes such that no batch size loses more than this "
                         "fraction of its predicted goodput (0 = off; default 0.005)")
-    p.add_argument("--context-len", type=int, default=None,
+    p.add_argument("--context-len", type=_number(int, 1, MAX_CONTEXT), default=None,
                    help="mean context per request (prompt + half the output) of the traffic to serve "
                         "(default: the profile's context length)")
     p.add_argument("--search-online", action="store_true",
                    help="pick the online correction (EMA weight, hysteresis, min evidence) from a small grid by "
                         "simulated goodput under acceptance drift x0.6 / x1.2 and stationary traffic")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_tune)
 
 
@@ -170,17 +255,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from spectune.autotune.tune_pipeline import tune
     from spectune.runtime.table import read_table, write_table
 
-    if args.trials < 1:
-        raise UsageError("--trials must be >= 1")
-    if not 0.0 <= args.smooth < 1.0:
-        raise UsageError("--smooth must be in [0, 1)")
-    if args.context_len is not None and args.context_len < 1:
-        raise UsageError("--context-len must be >= 1")
-    res = tune(read_table(args.profile), args.acceptance, objective=args.objective,
-               capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
-               latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
-               pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
-               context_len=args.context_len)
+    from spectune.errors import TableError
+
+    profile = read_table(args.profile)
+    _warn_profile(profile, f"the table written to {args.out}")
+    try:
+        res = tune(profile, args.acceptance, objective=args.objective,
+                   capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
+                   latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
+                   pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
+                   context_len=args.context_len, progress=None if args.no_progress else _progress("tune"))
+    except TableError as exc:  # a field of the profile: name the file
+        raise TableError(exc.field, exc.reason, exc.file or args.profile) from None
     write_table(res.table, args.out)
     s = res.search
     print(f"acceptance: {res.acceptance.source}")
@@ -339,11 +425,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="live requests, e.g. 1,8,32 (default 1,8,32,64,128,256 on CUDA, 1,4 on CPU)")
     p.add_argument("--arms", default="plain,fixed:3,fixed:7,auto",
                    help="plain, fixed:K (K drafts always, all verified), auto (the policy table)")
-    p.add_argument("--prompts", type=int, default=None,
+    p.add_argument("--prompts", type=_number(int, 1, TRIALS_MAX), default=None,
                    help="requests per concurrency (default on CUDA: 8 x concurrency within 48..1024; "
                         "on CPU: 2 x concurrency)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
+    p.add_argument("--max-new-tokens", type=_number(int, 1, BENCH_MAX_TOKENS), default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
+    p.add_argument("--prompt-len", type=_number(int, 1, BENCH_MAX_TOKENS), default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
     p.add_argument("--acceptance", default=None,
                    help="acceptance source replayed (forms of `spectune tune --acceptance`; default: "
                         "the one the policy was tuned on)")
@@ -354,10 +440,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: the policy's on CUDA, float32 on CPU; float32 on CUDA runs with TF32 "
                         "off: the exactness gate (docs/BENCH_METHOD.md)")
-    p.add_argument("--time-limit", type=float, default=None,
+    p.add_argument("--time-limit", type=POSITIVE, default=None,
                    help="seconds per timed (concurrency, arm) run; unfinished requests count as failed "
                         "(default 30 on CUDA, none on CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--decisive-logits", choices=["auto", "on", "off"], default="auto",
                    help="bias random-weight logits so greedy decisions survive 16-bit rounding "
                         "(auto: on for bfloat16/float16; see docs/BENCH_METHOD.md)")
@@ -375,8 +461,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
     from spectune.engine.bench import BenchConfig, run_bench
 
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise UsageError("--time-limit must be > 0")
+    if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
+        raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
+                         "cache is allocated up front)")
     config = BenchConfig(
         policy=args.policy, out=args.out, concurrency=args.concurrency, arms=args.arms, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, acceptance=args.acceptance,
@@ -455,7 +542,7 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="spectune",
         description="Measure, tune and run adaptive speculative decoding for one GPU.",
     )
@@ -467,14 +554,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _BadArgument as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except (SpectuneError, UsageError) as exc:
         print(f"spectune {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the file system said no (read-only, full, a folder): name the file
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"spectune {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print(f"spectune {args.command}: interrupted (a study resumes where it stopped)", file=sys.stderr)
+        after = INTERRUPTED.get(args.command, "nothing was written")
+        print(f"spectune {args.command}: interrupted ({after})", file=sys.stderr)
         return 130
 
 

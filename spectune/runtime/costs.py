@@ -146,8 +146,8 @@ def _drop_inconsistent(ms: dict[int, float], fit: dict[int, float]) -> list[tupl
             return out
         lo, hi = pair
         gone, kept = (lo, hi) if abs(math.log(ms[lo] / fit[lo])) >= abs(math.log(ms[hi] / fit[hi])) else (hi, lo)
-        out.append((gone, ms[gone], f"{ms[lo]:.3g} ms at {lo} tokens is slower than {ms[hi]:.3g} ms at "
-                                    f"{hi}; kept the point nearer the fit, {kept} tokens"))
+        out.append((gone, ms[gone], f"{ms[lo]:.3g} ms at {lo} is slower than {ms[hi]:.3g} ms at {hi} tokens; "
+                                    f"the point at {kept} is nearer the fit"))
         del ms[gone]
 
 
