@@ -7,9 +7,11 @@ Library errors (SpectuneError and its subclasses, e.g. TableError) become one li
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from spectune import __version__
 from spectune.errors import SpectuneError
@@ -27,7 +29,7 @@ class _BadArgument(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (``spectune tune: error: ...``) and exit 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise _BadArgument(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
@@ -253,9 +255,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectune.autotune.tune_pipeline import tune
-    from spectune.runtime.table import read_table, write_table
-
     from spectune.errors import TableError
+    from spectune.runtime.table import read_table, write_table
 
     profile = read_table(args.profile)
     _warn_profile(profile, f"the table written to {args.out}")
@@ -464,6 +465,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
         raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
                          "cache is allocated up front)")
+    if args.acceptance is not None:  # a bad source fails now, before any model is built
+        from spectune.autotune.acceptance import resolve_acceptance
+        from spectune.runtime.table import read_table
+
+        resolve_acceptance(args.acceptance, max(read_table(args.policy).workload.max_k, 1))
     config = BenchConfig(
         policy=args.policy, out=args.out, concurrency=args.concurrency, arms=args.arms, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, acceptance=args.acceptance,
@@ -553,20 +559,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    # built once per process (argparse's construction dominates a refused command line)
+    return build_parser()
+
+
+def _one_line(text: str) -> str:
+    # a file name or value with a line break stays on the error's one line
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = _parser().parse_args(argv)
     except _BadArgument as exc:
-        print(exc, file=sys.stderr)
+        print(_one_line(str(exc)), file=sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)
     except (SpectuneError, UsageError) as exc:
-        print(f"spectune {args.command}: error: {exc}", file=sys.stderr)
+        print(_one_line(f"spectune {args.command}: error: {exc}"), file=sys.stderr)
         return 2
     except OSError as exc:  # the file system said no (read-only, full, a folder): name the file
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"spectune {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        print(_one_line(f"spectune {args.command}: error: {where}{exc.strerror or exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         after = INTERRUPTED.get(args.command, "nothing was written")

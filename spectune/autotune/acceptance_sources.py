@@ -138,6 +138,8 @@ def parse_vllm_metrics(text: str, where: str, model: str | None = None) -> SpecC
                         raise AcceptanceError(f"{where}: {name}{_labels(sample.labels)} is {value!r}: a counter "
                                               "is a finite count >= 0")
                     rows.append((base, dict(sample.labels), value))
+    except AcceptanceError:
+        raise
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise AcceptanceError(f"{where}: not a Prometheus text exposition: {str(exc)[:80]}") from None
     if not rows:

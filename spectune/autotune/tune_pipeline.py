@@ -9,7 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
-from spectune.autotune.policy_search import DEFAULT_SMOOTH, Objective, Progress, SearchResult, search_policy
+from spectune.autotune.policy_search import (
+    DEFAULT_SMOOTH,
+    Objective,
+    Progress,
+    SearchResult,
+    search_policy,
+)
 from spectune.autotune.simulator import FixedK, SimResult, simulate
 from spectune.errors import SpectuneError, TableError
 from spectune.runtime.costs import CostModel

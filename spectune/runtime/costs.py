@@ -134,7 +134,7 @@ def _drop_inconsistent(ms: dict[int, float], fit: dict[int, float]) -> list[tupl
     """Remove from ``ms`` (tokens -> ms, one batch size) points until no point is slower than one
     with more tokens by more than RESIDUAL_NOISE; of the worst pair, the one farther from the fit
     goes. Returns (tokens, ms, reason) of each point removed."""
-    out = []
+    out: list[tuple[int, float, str]] = []
     while True:
         ns = sorted(ms)
         worst, pair = 1.0 + RESIDUAL_NOISE, None

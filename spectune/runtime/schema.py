@@ -25,6 +25,7 @@ from spectune.errors import TableError
 
 T = TypeVar("T")
 
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # a profile of the largest study is ~1 MiB; a file past this is not a table (e.g. /dev/zero)
 MAX_FILE_BYTES = 16 * 1024 * 1024
 
@@ -137,7 +138,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -186,9 +187,10 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
 
 
 def parse_yaml(text: str, file: str | os.PathLike[str] | None = None) -> Any:
-    """``yaml.safe_load`` whose every failure is one TableError (naming ``file``)."""
+    """``yaml.safe_load`` whose every failure is one TableError (naming ``file``). libyaml's
+    loader when present: ~10x faster, and it refuses nesting deeper than 1000 levels itself."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_SAFE_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

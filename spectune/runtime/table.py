@@ -449,6 +449,8 @@ def table_from_dict(data: Any, file: str | os.PathLike[str] | None = None) -> Ta
         return from_dict(Table, data)
     except TableError as exc:
         raise TableError(exc.field, exc.reason, file) from None
+    except RecursionError:  # a self-referencing YAML alias where a section was expected
+        raise TableError("", "not a spectune table: nested too deeply", file) from None
 
 
 def read_table(path: str | os.PathLike[str]) -> Table:
