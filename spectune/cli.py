@@ -1,4 +1,5 @@
-"""The ``spectune`` command. The only module that parses arguments and prints for people.
+"""The ``spectune`` command. The only module that parses arguments and prints for people (its
+argument types and the text of ``show`` live in ``spectune.cli_support``).
 
 Each sub-command has an ``_add_<name>(sub)`` parser builder and a ``cmd_<name>(args) -> int``.
 Library errors (SpectuneError and its subclasses, e.g. TableError) become one line on stderr and exit code 2.
@@ -8,64 +9,28 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
 from spectune import __version__
+from spectune.cli_support import (
+    BENCH_MAX_TOKENS,
+    INTERRUPTED,
+    POSITIVE,
+    SEED,
+    TRIALS_MAX,
+    BadArgument,
+    Parser,
+    number,
+    one_line,
+    show_lines,
+)
 from spectune.errors import SpectuneError
 from spectune.runtime.table import MAX_BATCH, MAX_CONTEXT, MAX_K
 
 
 class UsageError(Exception):
     """Bad command-line input; printed as one line, exit code 2."""
-
-
-class _BadArgument(Exception):
-    """argparse refused the command line; the message is the whole line to print."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one line (``spectune tune: error: ...``) and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise _BadArgument(f"{self.prog}: error: {message} (see {self.prog} --help)")
-
-
-SEED_MAX = 2**32 - 1  # numpy and Optuna seeds
-TRIALS_MAX = 100_000
-BENCH_MAX_TOKENS = 32_768  # prompt + new tokens per request: the bench allocates each request's KV up front
-INTERRUPTED = {  # what a Ctrl-C leaves behind, per command
-    "profile": "the measurement study resumes where it stopped: run the same command again",
-    "autotune": "the measurement study resumes where it stopped: run the same command again",
-    "tune": "the policy search runs in memory: nothing was written, run it again",
-    "bench": "the rows measured so far are in --out",
-}
-
-
-def _number(kind: type, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
-    """argparse type: an int or a finite float within [lo, hi] ((lo, hi] with ``lo_open``)."""
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is float and not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo:g}, got {text}")
-        if hi is not None and v > hi:
-            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {text}")
-        return v
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
-POSITIVE = _number(float, 0.0, lo_open=True)
-SEED = _number(int, 0, SEED_MAX)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,9 +50,9 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="default bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--batch-sizes", default=None,
                    help="range or list, e.g. 1-256 or 1,2,4,8 (default 1-256 on CUDA, 1-16 on CPU)")
-    g.add_argument("--max-k", type=_number(int, 1, MAX_K), default=None,
+    g.add_argument("--max-k", type=number(int, 1, MAX_K), default=None,
                    help="largest draft length (default 15 on CUDA, 7 on CPU)")
-    g.add_argument("--context-len", type=_number(int, 1, MAX_CONTEXT), default=None,
+    g.add_argument("--context-len", type=number(int, 1, MAX_CONTEXT), default=None,
                    help="KV context per request (default 2048 on CUDA, 256 on CPU)")
 
 
@@ -97,7 +62,7 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
                    help="Optuna storage URL (default: a journal file beside --out); "
                         "postgresql://... to share one study across GPUs and hosts")
     g.add_argument("--study-name", default=None, help="default: derived from GPU and workload")
-    g.add_argument("--trials", type=_number(int, 0, TRIALS_MAX), default=None,
+    g.add_argument("--trials", type=number(int, 0, TRIALS_MAX), default=None,
                    help="measurement trials beyond the seed grid")
     g.add_argument("--seed", type=SEED, default=0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,7 +90,7 @@ def _run_profile(args: argparse.Namespace, out: str | None):
     except OSError as exc:
         raise UsageError(f"{exc.filename or path}: {exc.strerror or exc}") from None
     err = table.costs.error
-    _warn_profile(table, "this profile")
+    _warn_profile(table, "every table tuned on this profile inherits it")
     bad = int((~frame["feasible"].astype(bool)).sum()) if len(frame) else 0
     print(f"{table.hardware.gpu}: {table.workload.target} + {table.workload.drafter}, "
           f"{table.workload.dtype}, context {table.workload.context_len}, batch 1..{table.workload.max_batch}, "
@@ -136,14 +101,14 @@ def _run_profile(args: argparse.Namespace, out: str | None):
     return table, path
 
 
-def _warn_profile(table, what: str) -> None:
+def _warn_profile(table, consequence: str) -> None:
     """Loud warnings about the cost model a table carries (held-out error, inconsistent points)."""
     from spectune.autotune.fit import error_warning
     from spectune.runtime.costs import consistent_rows
 
     line = error_warning(table.costs.error)
     if line:
-        print(f"WARNING: {line}; {what} inherits it", file=sys.stderr)
+        print(f"WARNING: {line}; {consequence}", file=sys.stderr)
     _, notes = consistent_rows(table.costs.model.target, table.costs.points, table.workload.context_len)
     for note in notes:
         print(f"warning: residual correction: {note}", file=sys.stderr)
@@ -235,15 +200,15 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="step (p99 ITL) bound for --objective latency")
     p.add_argument("--capture-budget-mib", type=POSITIVE, default=None, help="graph capture memory budget")
     p.add_argument("--capture-seconds", type=POSITIVE, default=None, help="graph capture time budget")
-    p.add_argument("--trials", type=_number(int, 1, TRIALS_MAX), default=40, help="Optuna trials of the tier-set study")
+    p.add_argument("--trials", type=number(int, 1, TRIALS_MAX), default=40, help="Optuna trials of the tier-set study")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--pareto", action="store_true", help="multi-objective study; prints the Pareto front")
-    p.add_argument("--max-batch", type=_number(int, 1, MAX_BATCH), default=None,
+    p.add_argument("--max-batch", type=number(int, 1, MAX_BATCH), default=None,
                    help=f"largest batch size covered (default: the profile's; at most {MAX_BATCH})")
-    p.add_argument("--smooth", type=_number(float, 0.0, 0.999), default=0.005,
+    p.add_argument("--smooth", type=number(float, 0.0, 0.999), default=0.005,
                    help="K schedule smoothing: fewest K changes such that no batch size loses more than this "
                         "fraction of its predicted goodput (0 = off; default 0.005)")
-    p.add_argument("--context-len", type=_number(int, 1, MAX_CONTEXT), default=None,
+    p.add_argument("--context-len", type=number(int, 1, MAX_CONTEXT), default=None,
                    help="mean context per request (prompt + half the output) of the traffic to serve "
                         "(default: the profile's context length)")
     p.add_argument("--search-online", action="store_true",
@@ -259,7 +224,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from spectune.runtime.table import read_table, write_table
 
     profile = read_table(args.profile)
-    _warn_profile(profile, f"the table written to {args.out}")
+    _warn_profile(profile, f"the table written to {args.out} inherits it")
     try:
         res = tune(profile, args.acceptance, objective=args.objective,
                    capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
@@ -304,59 +269,9 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     from spectune.runtime.table import read_table
 
-    for line in _show_lines(read_table(args.file)):
+    for line in show_lines(read_table(args.file)):
         print(line)
     return 0
-
-
-def _show_lines(t) -> list[str]:
-    from spectune.runtime.costs import CostModel
-    from spectune.runtime.schema import to_dict
-
-    hw, wl, costs = t.hardware, t.workload, t.costs
-    lines = [f"{'policy table' if t.is_policy else 'profile'} ({t.schema}, created {t.created or '?'})"]
-    facts = {k: v for k, v in to_dict(hw).items() if v is not None}
-    lines.append("hardware: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
-    lines.append(f"software: spectune {t.software.spectune}, torch {t.software.torch}, triton {t.software.triton}")
-    lines.append(f"workload: {wl.target} + {wl.drafter} ({wl.drafter_kind}, {wl.drafter_layers} layers), {wl.dtype}, "
-                 f"context {wl.context_len}, K <= {wl.max_k}, batch 1..{wl.max_batch}, {wl.device}")
-    m = costs.model
-    lines.append(f"cost model ({costs.timer} timer):")
-    for part in (m.target, m.drafter, m.overhead, m.power):
-        if part is not None:
-            body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in to_dict(part).items())
-            lines.append(f"  {type(part).__name__}: {body}")
-    e = costs.error
-    lines.append(f"  error on {e.held_out} held-out points: median {e.median_rel:.1%}, max {e.max_rel:.1%}")
-    model = CostModel(m, wl.drafter_kind, wl.context_len)
-    measured = {(p.batch, p.q): p.ms for p in costs.points if p.kind == "target" and not p.held_out}
-    batches = sorted({b for b, _ in measured}) or [1, wl.max_batch]
-    qs = sorted({q for _, q in measured if q is not None}) or [1, wl.max_k + 1]
-    lines.append("target step ms, predicted / measured (rows: batch, columns: tokens per request q)")
-    lines.append(f"{'batch':>6} " + " ".join(f"{'q=' + str(q):>15}" for q in qs))
-    for b in batches:
-        cells = []
-        for q in qs:
-            pred = model.target_ms(b * q, b)
-            meas = measured.get((b, q))
-            cells.append(f"{pred:7.3f}/{meas:<7.3f}" if meas is not None else f"{pred:7.3f}/{'-':<7}")
-        lines.append(f"{b:>6} " + " ".join(f"{c:>15}" for c in cells))
-    if costs.capture:
-        lines.append("graph capture per tier: " + ", ".join(f"{c.tokens}: {c.seconds:.2f}s {c.mib:.0f}MiB"
-                                                           for c in costs.capture))
-    bad = [p for p in costs.points if p.ms is None]
-    if bad:
-        lines.append(f"infeasible points: {len(bad)} (largest batch {max(p.batch for p in bad)})")
-    if t.policy is not None:
-        pol = t.policy
-        lines.append(f"policy ({pol.objective}): tiers {pol.tiers}, online ema={pol.online.ema}, "
-                     f"hysteresis={pol.online.hysteresis}")
-        for r in pol.rows:
-            gain = f"{r.gain:.3f}x" if r.gain is not None else "-"
-            tier = r.tier if r.tier is not None else "-"
-            lines.append(f"  batch {r.batch[0]:>4}-{r.batch[1]:<4}  K={r.k:<2}  budget={r.verify_budget:<5}  "
-                         f"tier={tier:<6}  gain={gain}")
-    return lines
 
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
@@ -426,11 +341,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="live requests, e.g. 1,8,32 (default 1,8,32,64,128,256 on CUDA, 1,4 on CPU)")
     p.add_argument("--arms", default="plain,fixed:3,fixed:7,auto",
                    help="plain, fixed:K (K drafts always, all verified), auto (the policy table)")
-    p.add_argument("--prompts", type=_number(int, 1, TRIALS_MAX), default=None,
+    p.add_argument("--prompts", type=number(int, 1, TRIALS_MAX), default=None,
                    help="requests per concurrency (default on CUDA: 8 x concurrency within 48..1024; "
                         "on CPU: 2 x concurrency)")
-    p.add_argument("--max-new-tokens", type=_number(int, 1, BENCH_MAX_TOKENS), default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
-    p.add_argument("--prompt-len", type=_number(int, 1, BENCH_MAX_TOKENS), default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
+    p.add_argument("--max-new-tokens", type=number(int, 1, BENCH_MAX_TOKENS), default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
+    p.add_argument("--prompt-len", type=number(int, 1, BENCH_MAX_TOKENS), default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
     p.add_argument("--acceptance", default=None,
                    help="acceptance source replayed (forms of `spectune tune --acceptance`; default: "
                         "the one the policy was tuned on)")
@@ -548,7 +463,7 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="spectune",
         description="Measure, tune and run adaptive speculative decoding for one GPU.",
     )
@@ -565,25 +480,20 @@ def _parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
-def _one_line(text: str) -> str:
-    # a file name or value with a line break stays on the error's one line
-    return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-    except _BadArgument as exc:
-        print(_one_line(str(exc)), file=sys.stderr)
+    except BadArgument as exc:
+        print(one_line(str(exc)), file=sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)
     except (SpectuneError, UsageError) as exc:
-        print(_one_line(f"spectune {args.command}: error: {exc}"), file=sys.stderr)
+        print(one_line(f"spectune {args.command}: error: {exc}"), file=sys.stderr)
         return 2
     except OSError as exc:  # the file system said no (read-only, full, a folder): name the file
         where = f"{exc.filename}: " if exc.filename else ""
-        print(_one_line(f"spectune {args.command}: error: {where}{exc.strerror or exc}"), file=sys.stderr)
+        print(one_line(f"spectune {args.command}: error: {where}{exc.strerror or exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         after = INTERRUPTED.get(args.command, "nothing was written")

@@ -17,7 +17,8 @@ import math
 import os
 import types
 import typing
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from collections.abc import Hashable
+from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin
 
 import yaml
 
@@ -118,7 +119,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, dict):
         raise TableError(path, f"must be a mapping, got {type(data).__name__}")
     _check_keys(data, path)
-    hints = _hints(cls)
+    hints = _hints(cast(Hashable, cls))
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
