@@ -230,7 +230,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                    capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
                    latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
                    pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
-                   context_len=args.context_len, progress=None if args.no_progress else _progress("tune"))
+                   context_len=args.context_len,
+                   progress=None if args.no_progress else _progress("tune: operating grid, batch"))
     except TableError as exc:  # a field of the profile: name the file
         raise TableError(exc.field, exc.reason, exc.file or args.profile) from None
     write_table(res.table, args.out)

@@ -187,3 +187,20 @@ def test_report_reads_the_shipped_simulation_results(tmp_path, capsys, name):
     assert "Simulation: mean" in md and "Simulation: heterogeneous" in md
     rows = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["mean"]["rows"]
     assert f"{rows[0]['monte_carlo']['policy']:.1f}" in md or f"{rows[0]['monte_carlo']['policy']:.0f}" in md
+
+
+def test_errors_name_the_file_they_are_about(files, capsys):
+    tmp, _, policy = files
+    no_drafts = edited(tmp, lambda d: d["workload"].update(max_k=0), "k0.yaml")
+    refused(capsys, ["tune", str(no_drafts), "--out", str(tmp / "o.yaml")], str(no_drafts), "workload.max_k")
+    plain = yaml.safe_load(policy.read_text())
+    plain["policy"]["rows"] = [{"batch": [1, 8], "k": 0, "verify_budget": 0, "tier": 8}]
+    plain_path = tmp / "plain.yaml"
+    plain_path.write_text(yaml.safe_dump(plain))
+    refused(capsys, ["export", str(plain_path), "--format", "vllm"], str(plain_path), "K is 0 everywhere")
+    bad_acc = yaml.safe_load(policy.read_text())
+    bad_acc["acceptance"] = {"source": "curve:0.8", "max_k": 1, "components": [{"weight": 0.5, "accept": [0.8]}]}
+    acc_path = tmp / "acc.yaml"
+    acc_path.write_text(yaml.safe_dump(bad_acc))
+    refused(capsys, ["bench", "--policy", str(acc_path), "--out", str(tmp / "b.json"), "--device", "cpu"],
+            str(acc_path), "acceptance.components", "sum to 1")
