@@ -115,14 +115,14 @@ def _warn_profile(table, consequence: str) -> None:
 
 
 def _progress(label: str):
-    """A callback ``(done, total)`` printing ``label: done/total`` on stderr about every 10 %."""
+    """A callback ``(done, total)`` printing ``label done/total`` on stderr about every 10 %."""
     last = [-1]
 
     def show(done: int, total: int) -> None:
         tenth = 10 * done // max(total, 1)
         if tenth != last[0] or done == total:
             last[0] = tenth
-            print(f"{label}: {done}/{total}", file=sys.stderr, flush=True)
+            print(f"{label} {done}/{total}", file=sys.stderr, flush=True)
 
     return show
 
