@@ -1,4 +1,5 @@
-"""The ``spectune`` command. The only module that parses arguments and prints for people.
+"""The ``spectune`` command. The only module that parses arguments and prints for people (its
+argument types and the text of ``show`` live in ``spectune.cli_support``).
 
 Each sub-command has an ``_add_<name>(sub)`` parser builder and a ``cmd_<name>(args) -> int``.
 Library errors (SpectuneError and its subclasses, e.g. TableError) become one line on stderr and exit code 2.
@@ -7,11 +8,25 @@ Library errors (SpectuneError and its subclasses, e.g. TableError) become one li
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 
 from spectune import __version__
+from spectune.cli_support import (
+    BENCH_MAX_TOKENS,
+    INTERRUPTED,
+    POSITIVE,
+    SEED,
+    TRIALS_MAX,
+    BadArgument,
+    Parser,
+    number,
+    one_line,
+    show_lines,
+)
 from spectune.errors import SpectuneError
+from spectune.runtime.table import MAX_BATCH, MAX_CONTEXT, MAX_K
 
 
 class UsageError(Exception):
@@ -36,8 +51,10 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="default bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--batch-sizes", default=None,
                    help="range or list, e.g. 1-256 or 1,2,4,8 (default 1-256 on CUDA, 1-16 on CPU)")
-    g.add_argument("--max-k", type=int, default=None, help="largest draft length (default 15 on CUDA, 7 on CPU)")
-    g.add_argument("--context-len", type=int, default=None, help="KV context per request (default 2048 on CUDA, 256 on CPU)")
+    g.add_argument("--max-k", type=number(int, 1, MAX_K), default=None,
+                   help="largest draft length (default 15 on CUDA, 7 on CPU)")
+    g.add_argument("--context-len", type=number(int, 1, MAX_CONTEXT), default=None,
+                   help="KV context per request (default 2048 on CUDA, 256 on CPU)")
 
 
 def _add_study_options(p: argparse.ArgumentParser) -> None:
@@ -48,8 +65,9 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--study-name", default=None,
                    help="default: derived from GPU and workload; with --storage, joins that study (options left "
                         "out are the study's)")
-    g.add_argument("--trials", type=int, default=None, help="measurement trials beyond the seed grid")
-    g.add_argument("--seed", type=int, default=None, help="default 0")
+    g.add_argument("--trials", type=number(int, 0, TRIALS_MAX), default=None,
+                   help="measurement trials beyond the seed grid")
+    g.add_argument("--seed", type=SEED, default=None, help="default 0")
     g.add_argument("--workers", default="1", metavar="N|auto",
                    help="local worker processes sharing the study (auto: one per visible GPU; on CPU, N "
                         "processes); default 1")
@@ -102,6 +120,7 @@ def _run_profile(args: argparse.Namespace, out: str | None):
         print(f"warning: {len(study['given_up'])} points were given up (their worker died twice): "
               f"{', '.join(study['given_up'][:5])}", file=sys.stderr)
     err = table.costs.error
+    _warn_profile(table, "every table tuned on this profile inherits it")
     bad = int((~frame["feasible"].astype(bool)).sum()) if len(frame) else 0
     print(f"{table.hardware.gpu}: {table.workload.target} + {table.workload.drafter}, "
           f"{table.workload.dtype}, context {table.workload.context_len}, batch 1..{table.workload.max_batch}, "
@@ -110,6 +129,32 @@ def _run_profile(args: argparse.Namespace, out: str | None):
     print(f"cost model error on {err.held_out} held-out points: median {err.median_rel:.1%}, max {err.max_rel:.1%}")
     print(f"wrote {path} and {path.with_suffix('.csv')}")
     return table, path
+
+
+def _warn_profile(table, consequence: str) -> None:
+    """Loud warnings about the cost model a table carries (held-out error, inconsistent points)."""
+    from spectune.autotune.fit import error_warning
+    from spectune.runtime.costs import consistent_rows
+
+    line = error_warning(table.costs.error)
+    if line:
+        print(f"WARNING: {line}; {consequence}", file=sys.stderr)
+    _, notes = consistent_rows(table.costs.model.target, table.costs.points, table.workload.context_len)
+    for note in notes:
+        print(f"warning: residual correction: {note}", file=sys.stderr)
+
+
+def _progress(label: str):
+    """A callback ``(done, total)`` printing ``label done/total`` on stderr about every 10 %."""
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth != last[0] or done == total:
+            last[0] = tenth
+            print(f"{label} {done}/{total}", file=sys.stderr, flush=True)
+
+    return show
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,9 +196,13 @@ def _add_autotune(sub: argparse._SubParsersAction) -> None:
 def cmd_autotune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from spectune.autotune.acceptance import resolve_acceptance
+    from spectune.autotune.profiler import resolve
     from spectune.runtime.table import write_table
 
     profile_out = str(Path(args.out).with_suffix(".profile.yaml")) if args.out else None
+    # a bad acceptance source fails now, not after the whole profile
+    acceptance = resolve_acceptance(args.acceptance, resolve(_profile_config(args, profile_out)).max_k)
     profile, path = _run_profile(args, profile_out)
     try:
         from spectune.autotune.tune_pipeline import tune_table
@@ -161,7 +210,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
         print("tuning is not available yet: the profile above is the result")
         return 0
     out = Path(args.out) if args.out else path.with_suffix(".policy.yaml")
-    policy = tune_table(profile, args.acceptance, seed=args.seed or 0)
+    policy = tune_table(profile, acceptance, seed=args.seed or 0)
     write_table(policy, out)
     assert policy.policy is not None
     for row in policy.policy.rows:
@@ -180,40 +229,44 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                         "metrics:FILE, FILE.jsonl (default: a published EAGLE-3 curve)")
     p.add_argument("--out", required=True, help="policy table YAML path")
     p.add_argument("--objective", default="goodput", choices=["goodput", "energy", "latency"])
-    p.add_argument("--latency-bound-ms", type=float, default=None, help="step (p99 ITL) bound for --objective latency")
-    p.add_argument("--capture-budget-mib", type=float, default=None, help="graph capture memory budget")
-    p.add_argument("--capture-seconds", type=float, default=None, help="graph capture time budget")
-    p.add_argument("--trials", type=int, default=40, help="Optuna trials of the tier-set study")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--latency-bound-ms", type=POSITIVE, default=None,
+                   help="step (p99 ITL) bound for --objective latency")
+    p.add_argument("--capture-budget-mib", type=POSITIVE, default=None, help="graph capture memory budget")
+    p.add_argument("--capture-seconds", type=POSITIVE, default=None, help="graph capture time budget")
+    p.add_argument("--trials", type=number(int, 1, TRIALS_MAX), default=40, help="Optuna trials of the tier-set study")
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--pareto", action="store_true", help="multi-objective study; prints the Pareto front")
-    p.add_argument("--max-batch", type=int, default=None, help="largest batch size covered (default: the profile's)")
-    p.add_argument("--smooth", type=float, default=0.005,
+    p.add_argument("--max-batch", type=number(int, 1, MAX_BATCH), default=None,
+                   help=f"largest batch size covered (default: the profile's; at most {MAX_BATCH})")
+    p.add_argument("--smooth", type=number(float, 0.0, 0.999), default=0.005,
                    help="K schedule smoothing: fewest K changes such that no batch size loses more than this "
                         "fraction of its predicted goodput (0 = off; default 0.005)")
-    p.add_argument("--context-len", type=int, default=None,
+    p.add_argument("--context-len", type=number(int, 1, MAX_CONTEXT), default=None,
                    help="mean context per request (prompt + half the output) of the traffic to serve "
                         "(default: the profile's context length)")
     p.add_argument("--search-online", action="store_true",
                    help="pick the online controller (estimate window, margin, min evidence) from a small grid by "
                         "simulated goodput under acceptance drift x0.6 / x1.2 and stationary traffic")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_tune)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectune.autotune.tune_pipeline import tune
+    from spectune.errors import TableError
     from spectune.runtime.table import read_table, write_table
 
-    if args.trials < 1:
-        raise UsageError("--trials must be >= 1")
-    if not 0.0 <= args.smooth < 1.0:
-        raise UsageError("--smooth must be in [0, 1)")
-    if args.context_len is not None and args.context_len < 1:
-        raise UsageError("--context-len must be >= 1")
-    res = tune(read_table(args.profile), args.acceptance, objective=args.objective,
-               capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
-               latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
-               pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
-               context_len=args.context_len)
+    profile = read_table(args.profile)
+    _warn_profile(profile, f"the table written to {args.out} inherits it")
+    try:
+        res = tune(profile, args.acceptance, objective=args.objective,
+                   capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
+                   latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
+                   pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
+                   context_len=args.context_len,
+                   progress=None if args.no_progress else _progress("tune: operating grid, batch"))
+    except TableError as exc:  # a field of the profile: name the file
+        raise TableError(exc.field, exc.reason, exc.file or args.profile) from None
     write_table(res.table, args.out)
     s = res.search
     print(f"acceptance: {res.acceptance.source}")
@@ -250,59 +303,9 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     from spectune.runtime.table import read_table
 
-    for line in _show_lines(read_table(args.file)):
+    for line in show_lines(read_table(args.file)):
         print(line)
     return 0
-
-
-def _show_lines(t) -> list[str]:
-    from spectune.runtime.costs import CostModel
-    from spectune.runtime.schema import to_dict
-
-    hw, wl, costs = t.hardware, t.workload, t.costs
-    lines = [f"{'policy table' if t.is_policy else 'profile'} ({t.schema}, created {t.created or '?'})"]
-    facts = {k: v for k, v in to_dict(hw).items() if v is not None}
-    lines.append("hardware: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
-    lines.append(f"software: spectune {t.software.spectune}, torch {t.software.torch}, triton {t.software.triton}")
-    lines.append(f"workload: {wl.target} + {wl.drafter} ({wl.drafter_kind}, {wl.drafter_layers} layers), {wl.dtype}, "
-                 f"context {wl.context_len}, K <= {wl.max_k}, batch 1..{wl.max_batch}, {wl.device}")
-    m = costs.model
-    lines.append(f"cost model ({costs.timer} timer):")
-    for part in (m.target, m.drafter, m.overhead, m.power):
-        if part is not None:
-            body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in to_dict(part).items())
-            lines.append(f"  {type(part).__name__}: {body}")
-    e = costs.error
-    lines.append(f"  error on {e.held_out} held-out points: median {e.median_rel:.1%}, max {e.max_rel:.1%}")
-    model = CostModel(m, wl.drafter_kind, wl.context_len)
-    measured = {(p.batch, p.q): p.ms for p in costs.points if p.kind == "target" and not p.held_out}
-    batches = sorted({b for b, _ in measured}) or [1, wl.max_batch]
-    qs = sorted({q for _, q in measured if q is not None}) or [1, wl.max_k + 1]
-    lines.append("target step ms, predicted / measured (rows: batch, columns: tokens per request q)")
-    lines.append(f"{'batch':>6} " + " ".join(f"{'q=' + str(q):>15}" for q in qs))
-    for b in batches:
-        cells = []
-        for q in qs:
-            pred = model.target_ms(b * q, b)
-            meas = measured.get((b, q))
-            cells.append(f"{pred:7.3f}/{meas:<7.3f}" if meas is not None else f"{pred:7.3f}/{'-':<7}")
-        lines.append(f"{b:>6} " + " ".join(f"{c:>15}" for c in cells))
-    if costs.capture:
-        lines.append("graph capture per tier: " + ", ".join(f"{c.tokens}: {c.seconds:.2f}s {c.mib:.0f}MiB"
-                                                           for c in costs.capture))
-    bad = [p for p in costs.points if p.ms is None]
-    if bad:
-        lines.append(f"infeasible points: {len(bad)} (largest batch {max(p.batch for p in bad)})")
-    if t.policy is not None:
-        pol = t.policy
-        lines.append(f"policy ({pol.objective}): tiers {pol.tiers}, online window={pol.online.window:g} "
-                     f"drafts, margin={pol.online.margin:g}, z={pol.online.z:g}")
-        for r in pol.rows:
-            gain = f"{r.gain:.3f}x" if r.gain is not None else "-"
-            tier = r.tier if r.tier is not None else "-"
-            lines.append(f"  batch {r.batch[0]:>4}-{r.batch[1]:<4}  K={r.k:<2}  budget={r.verify_budget:<5}  "
-                         f"tier={tier:<6}  gain={gain}")
-    return lines
 
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
@@ -377,11 +380,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="interleaved timed runs per (concurrency, arm), arm order rotated per repeat (default 3)")
     p.add_argument("--drift", default=None,
                    help="A,B: requests admitted after half of each run's requests are served with B")
-    p.add_argument("--prompts", type=int, default=None,
+    p.add_argument("--prompts", type=number(int, 1, TRIALS_MAX), default=None,
                    help="requests per concurrency (default on CUDA: 8 x concurrency within 48..1024; "
                         "on CPU: 2 x concurrency)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
+    p.add_argument("--max-new-tokens", type=number(int, 1, BENCH_MAX_TOKENS), default=None, help="output tokens per request (default 128 on CUDA, 16 on CPU)")
+    p.add_argument("--prompt-len", type=number(int, 1, BENCH_MAX_TOKENS), default=None, help="prompt tokens per request (default 256 on CUDA, 16 on CPU)")
     p.add_argument("--acceptance", default=None,
                    help="acceptance source replayed (forms of `spectune tune --acceptance`; default: "
                         "the one the policy was tuned on)")
@@ -392,10 +395,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: the policy's on CUDA, float32 on CPU; float32 on CUDA runs with TF32 "
                         "off: the exactness gate (docs/BENCH_METHOD.md)")
-    p.add_argument("--time-limit", type=float, default=None,
+    p.add_argument("--time-limit", type=POSITIVE, default=None,
                    help="seconds per timed (concurrency, arm) run; unfinished requests count as failed "
                         "(default 30 on CUDA, none on CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--decisive-logits", choices=["auto", "on", "off"], default="auto",
                    help="bias random-weight logits so greedy decisions survive 16-bit rounding "
                         "(auto: on for bfloat16/float16; see docs/BENCH_METHOD.md)")
@@ -413,8 +416,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
     from spectune.engine.bench import BenchConfig, run_bench
 
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise UsageError("--time-limit must be > 0")
+    if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
+        raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
+                         "cache is allocated up front)")
+    if args.acceptance is not None:  # a bad source fails now, before any model is built
+        from spectune.autotune.acceptance import resolve_acceptance
+        from spectune.runtime.table import read_table
+
+        resolve_acceptance(args.acceptance, max(read_table(args.policy).workload.max_k, 1))
     config = BenchConfig(
         policy=args.policy, out=args.out, concurrency=args.concurrency, arms=args.arms, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, acceptance=args.acceptance,
@@ -640,7 +649,7 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="spectune",
         description="Measure, tune and run adaptive speculative decoding for one GPU.",
     )
@@ -651,15 +660,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    # built once per process (argparse's construction dominates a refused command line)
+    return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except BadArgument as exc:
+        print(one_line(str(exc)), file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except (SpectuneError, UsageError) as exc:
-        print(f"spectune {args.command}: error: {exc}", file=sys.stderr)
+        print(one_line(f"spectune {args.command}: error: {exc}"), file=sys.stderr)
+        return 2
+    except OSError as exc:  # the file system said no (read-only, full, a folder): name the file
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(one_line(f"spectune {args.command}: error: {where}{exc.strerror or exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"spectune {args.command}: interrupted (a study resumes where it stopped)", file=sys.stderr)
+        after = INTERRUPTED.get(args.command, "nothing was written")
+        print(f"spectune {args.command}: interrupted ({after})", file=sys.stderr)
         return 130
 
 

@@ -11,6 +11,10 @@ import os
 class SpectuneError(ValueError):
     """Base of spectune's typed errors; the CLI prints them as one line and exits 2."""
 
+    def __str__(self) -> str:
+        # one line, whatever a key, a value or a file name in the message holds
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+
 
 class TableError(SpectuneError):
     """A policy/profile table is malformed. ``field`` is the dotted path of the culprit."""

@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 
 from spectune.errors import SpectuneError, TableError
-from spectune.runtime.schema import from_dict, require
+from spectune.runtime.schema import from_dict
+from spectune.runtime.table import check_mixture
 
 EXTRAPOLATION_DECAY = 0.95  # per position past the data, applied to the last conditional rate
 DEFAULT_PUBLIC = "EAGLE-3/Llama-3.1-8B-Instruct/MT-Bench"
 PUBLIC_CSV = "acceptance_public.csv"
-_WEIGHT_TOL = 1e-4
 
 
 class AcceptanceError(SpectuneError):
@@ -112,11 +112,6 @@ class Component:
         rates = self.accept if k <= len(self.accept) else extend_conditional(self.accept, k)
         return conditional_to_survival(rates[:k])
 
-    def validate(self, path: str) -> None:
-        require(0.0 < self.weight <= 1.0 + _WEIGHT_TOL, f"{path}.weight", f"must be in (0, 1], got {self.weight}")
-        require(len(self.accept) > 0, f"{path}.accept", "must not be empty")
-        for i, a in enumerate(self.accept):
-            require(math.isfinite(a) and 0.0 <= a <= 1.0, f"{path}.accept[{i}]", f"must be in [0, 1], got {a}")
 
 
 @dataclass(frozen=True)
@@ -132,26 +127,9 @@ class AcceptanceModel:
         self.validate("")
 
     def validate(self, path: str) -> None:
-        def at(name: str) -> str:
-            return f"{path}.{name}" if path else name
-
-        require(self.max_k >= 1, at("max_k"), f"must be >= 1, got {self.max_k}")
-        require(len(self.components) > 0, at("components"), "must not be empty")
-        for i, comp in enumerate(self.components):
-            comp.validate(at(f"components[{i}]"))
-            require(
-                len(comp.accept) == self.max_k,
-                at(f"components[{i}].accept"),
-                f"has {len(comp.accept)} positions, max_k is {self.max_k}",
-            )
-        total = sum(c.weight for c in self.components)
-        require(abs(total - 1.0) <= 1e-3, at("components"), f"weights sum to {total:.6f}, must sum to 1")
-        if self.calibration is not None:
-            prev = -math.inf
-            for i, (edge, p) in enumerate(self.calibration):
-                require(edge > prev, at(f"calibration[{i}]"), "bin edges must increase")
-                require(0.0 <= p <= 1.0, at(f"calibration[{i}]"), f"probability {p} is outside [0, 1]")
-                prev = edge
+        # the table's acceptance section and this model share one check
+        check_mixture([c.weight for c in self.components], [c.accept for c in self.components], self.max_k,
+                      self.calibration, path)
 
     # -- evaluation -----------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import math
 import urllib.error
 import urllib.request
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,9 @@ PRIOR_STRENGTH = 2.0  # pseudo-trials pulling each class's rate toward the poole
 MAX_CLASSES = 4
 MIN_REQUESTS_PER_CLASS = 10
 CALIBRATION_BINS = 10
+MAX_METRICS_BYTES = 64 * 2**20  # a /metrics scrape is kilobytes; past this it is not one
+MAX_LINE_CHARS = 2**20  # one trace record; a longer line is not one (e.g. /dev/zero)
+MAX_POSITION = 1024  # per-position counters past this are not a draft length
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,14 +86,25 @@ def _read_metrics_text(where: str) -> str:
     if where.lower().startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(where, timeout=FETCH_TIMEOUT_S) as resp:
-                return resp.read().decode("utf-8", errors="replace")
+                return _capped(resp.read(MAX_METRICS_BYTES + 1), where).decode("utf-8", errors="replace")
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", None) or exc
             raise AcceptanceError(f"{where}: cannot fetch metrics: {reason}") from None
     try:
-        return Path(where).read_text()
+        with open(where, "rb") as fh:
+            data = _capped(fh.read(MAX_METRICS_BYTES + 1), where)
     except OSError as exc:
         raise AcceptanceError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AcceptanceError(f"{where}: not UTF-8 text (byte at offset {exc.start})") from None
+
+
+def _capped(data: bytes, where: str) -> bytes:
+    if len(data) > MAX_METRICS_BYTES:
+        raise AcceptanceError(f"{where}: larger than {MAX_METRICS_BYTES // 2**20} MiB: not a metrics scrape")
+    return data
 
 
 @dataclass(frozen=True)
@@ -118,9 +133,15 @@ def parse_vllm_metrics(text: str, where: str, model: str | None = None) -> SpecC
                     continue
                 base = name[: -len("_total")] if name.endswith("_total") else name
                 if base in SPEC_METRICS:
-                    rows.append((base, dict(sample.labels), float(sample.value)))
-    except ValueError as exc:
-        raise AcceptanceError(f"{where}: not a Prometheus text exposition: {exc}") from None
+                    value = float(sample.value)
+                    if not (math.isfinite(value) and value >= 0):
+                        raise AcceptanceError(f"{where}: {name}{_labels(sample.labels)} is {value!r}: a counter "
+                                              "is a finite count >= 0")
+                    rows.append((base, dict(sample.labels), value))
+    except AcceptanceError:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise AcceptanceError(f"{where}: not a Prometheus text exposition: {str(exc)[:80]}") from None
     if not rows:
         raise AcceptanceError(
             f"{where}: no vLLM spec-decode series ({', '.join(SPEC_METRICS)}); was speculative decoding on?"
@@ -142,6 +163,8 @@ def parse_vllm_metrics(text: str, where: str, model: str | None = None) -> SpecC
                 pos = int(labels["position"])
             except (KeyError, ValueError):
                 raise AcceptanceError(f"{where}: {METRIC_PER_POS} has a bad position label {labels.get('position')!r}") from None
+            if not 0 <= pos < MAX_POSITION:
+                raise AcceptanceError(f"{where}: {METRIC_PER_POS} position {pos} is outside 0..{MAX_POSITION - 1}")
             per_pos[pos] = per_pos.get(pos, 0.0) + value  # sum over engines
         else:
             totals[base] = totals.get(base, 0.0) + value
@@ -149,12 +172,41 @@ def parse_vllm_metrics(text: str, where: str, model: str | None = None) -> SpecC
         if name not in totals:
             raise AcceptanceError(f"{where}: missing counter {name}")
     k = max(per_pos) + 1 if per_pos else 0
-    return SpecCounters(
+    counters = SpecCounters(
         drafts=totals[METRIC_DRAFTS],
         draft_tokens=totals[METRIC_DRAFT_TOKENS],
         accepted=totals[METRIC_ACCEPTED],
         per_pos=tuple(per_pos.get(i, 0.0) for i in range(k)),
     )
+    check_counters(counters, where)
+    return counters
+
+
+def check_counters(c: SpecCounters, where: str) -> None:
+    """What one scrape of consistent counters satisfies: each draft step proposes >= 1 draft
+    (T >= N), no more are accepted than proposed (A <= T), position i is accepted in at most the
+    steps that accepted position i - 1 (c_i <= c_{i-1} <= N), and the positions add up to A."""
+    slack = 1e-6 * max(1.0, c.draft_tokens)
+    if c.draft_tokens + slack < c.drafts:
+        raise AcceptanceError(f"{where}: {METRIC_DRAFT_TOKENS} ({c.draft_tokens:g}) is below {METRIC_DRAFTS} "
+                              f"({c.drafts:g}): every draft step proposes at least one draft")
+    if c.accepted > c.draft_tokens + slack:
+        raise AcceptanceError(f"{where}: {METRIC_ACCEPTED} ({c.accepted:g}) exceeds {METRIC_DRAFT_TOKENS} "
+                              f"({c.draft_tokens:g})")
+    prev = c.drafts
+    for i, ci in enumerate(c.per_pos):
+        if ci > prev + slack:
+            bound = METRIC_DRAFTS if i == 0 else f"position {i - 1}'s count"
+            raise AcceptanceError(f"{where}: {METRIC_PER_POS}{{position=\"{i}\"}} ({ci:g}) exceeds {bound} "
+                                  f"({prev:g}): a draft is accepted only after every earlier one")
+        prev = ci
+    if c.per_pos and abs(sum(c.per_pos) - c.accepted) > max(slack, 1e-3 * c.accepted):
+        raise AcceptanceError(f"{where}: the per-position counts sum to {sum(c.per_pos):g}, "
+                              f"{METRIC_ACCEPTED} is {c.accepted:g}")
+
+
+def _labels(labels: dict) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
 
 
 def survival_from_counters(c: SpecCounters, where: str) -> tuple[list[float], str]:
@@ -241,9 +293,9 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
         raise AcceptanceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with fh:
         try:
-            lines = list(fh)
-        except (OSError, EOFError, UnicodeDecodeError) as exc:
-            raise AcceptanceError(f"{path}: cannot read: {exc}") from None
+            lines = list(_capped_lines(fh, path))
+        except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile, zlib.error) as exc:
+            raise AcceptanceError(f"{path}: cannot read: {str(exc)[:80]}") from None
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -252,6 +304,8 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise AcceptanceError(f"{where}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise AcceptanceError(f"{where}: not a trace record: nested too deeply") from None
         if not isinstance(obj, dict):
             raise AcceptanceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if "request" not in obj:
@@ -294,6 +348,16 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
         conf_accepted=np.array(conf_ok, dtype=bool),
         steps=steps,
     )
+
+
+def _capped_lines(fh, path: str):
+    while True:
+        line = fh.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_CHARS:
+            raise AcceptanceError(f"{path}: a line longer than {MAX_LINE_CHARS} characters: not a trace file")
+        yield line
 
 
 @dataclass(frozen=True)

@@ -293,5 +293,11 @@ def render(fmt: str, cfg: dict[str, Any]) -> str:
 
 
 def export_table(table: Table, fmt: str, *, file: str = "policy", method: str | None = None, model: str | None = None) -> str:
-    """A policy table -> the engine config text (validated against the engine's rules)."""
-    return render(fmt, export_schedule(schedule_from_table(table, file), fmt, method=method, model=model))
+    """A policy table -> the engine config text (validated against the engine's rules); every
+    error names ``file``."""
+    try:
+        return render(fmt, export_schedule(schedule_from_table(table, file), fmt, method=method, model=model))
+    except ExportError as exc:
+        if str(exc).startswith(f"{file}:"):
+            raise
+        raise ExportError(f"{file}: {exc}") from None

@@ -39,6 +39,23 @@ class FitError(SpectuneError):
     """Too few or unusable points to fit a part of the cost model."""
 
 
+# held-out relative error past which a profile is flagged: its predictions (and every gain of a
+# table tuned on it) are not to be trusted (H200 profiles: median 2-3 %, max 6-12 %)
+WARN_MEDIAN_REL = 0.10
+WARN_MAX_REL = 0.30
+
+
+def error_warning(error: CostError) -> str | None:
+    """One line when the held-out error passes WARN_MEDIAN_REL or WARN_MAX_REL, else None."""
+    if error.held_out == 0:
+        return "the cost model was checked on no held-out point: its error is unknown"
+    if error.median_rel <= WARN_MEDIAN_REL and error.max_rel <= WARN_MAX_REL:
+        return None
+    return (f"the cost model is off by {error.median_rel:.1%} (median) / {error.max_rel:.1%} (max) on "
+            f"{error.held_out} held-out points, past {WARN_MEDIAN_REL:.0%} / {WARN_MAX_REL:.0%}: predicted "
+            "step times and gains are that uncertain")
+
+
 def _nnls_rel(x: np.ndarray, ms: np.ndarray) -> tuple[np.ndarray, float]:
     # minimise sum(((x @ coef) - ms) / ms)^2 with coef >= 0
     w = 1.0 / np.maximum(ms, 1e-9)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +53,7 @@ Objective = Literal["goodput", "energy", "latency"]
 # acceptance the captured tiers leave room for: the tuned conditional rates scaled by these (the
 # online controller can only run shapes that have a graph)
 ADAPT_SCALES = (0.7, 0.85, 1.15, 1.3)
+Progress = Callable[[int, int], None]  # (done, total)
 # smoothing tolerance: a run of batch sizes takes its neighbour's K when that costs less than this
 # fraction of predicted goodput at every batch size of the run (see ``smooth_choices``)
 DEFAULT_SMOOTH = 0.005
@@ -115,7 +116,7 @@ class OperatingGrid:
 
     @classmethod
     def build(cls, cost: CostModel, acceptance: AcceptanceModel, *, max_batch: int, max_k: int,
-              universe: Sequence[int] | None = None) -> OperatingGrid:
+              universe: Sequence[int] | None = None, progress: Progress | None = None) -> OperatingGrid:
         uni = list(universe) if universe is not None else tier_universe(max_batch, max_k)
         mix = Mixture.of(acceptance, max(max_k, 1))
         g = cls(uni, [], [], [], [], [], [], np.zeros(max_batch), np.zeros(max_batch),
@@ -135,7 +136,9 @@ class OperatingGrid:
                 budgets = budgets[budgets > 0] if k else np.zeros(len(idx), np.int64)
                 if not len(keep):
                     continue
-                tk = expected_tokens(mix, b, k, budgets, inflight=True)
+                # one call for the tier candidates and the full budget b*K (fixed K, exact graph)
+                tk_all = expected_tokens(mix, b, k, np.append(budgets, b * k), inflight=True)
+                tk = tk_all[:-1]
                 for t_i, bud, e in zip(keep, budgets, tk, strict=True):
                     t = int(tiers[t_i])
                     m = step_ms(cost, b, k, t)
@@ -147,7 +150,7 @@ class OperatingGrid:
                     js.append(joule(t, m))
                 exact = b * (k + 1)
                 m_exact = step_ms(cost, b, k, exact)
-                g.fixed_tok_s[b - 1, k] = float(expected_tokens(mix, b, k, [b * k], inflight=True)[0]) / m_exact * 1000
+                g.fixed_tok_s[b - 1, k] = float(tk_all[-1]) / m_exact * 1000
                 if k == 0:
                     g.plain_ms[b - 1] = m_exact
                     g.plain_tok_s[b - 1] = b / m_exact * 1000
@@ -155,6 +158,8 @@ class OperatingGrid:
             for lst, vals in zip((g.k, g.budget, g.tier_idx, g.tokens, g.ms, g.joules),
                                  (ks, bs, ts, tok, ms, js), strict=True):
                 lst.append(np.array(vals))
+            if progress is not None:
+                progress(b, max_batch)
         return g
 
     @property
@@ -379,7 +384,7 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
                   capture_budget_mib: float | None = None, capture_seconds: float | None = None,
                   latency_bound_ms: float | None = None, trials: int = 40, seed: int = 0,
                   pareto: bool = False, grid: OperatingGrid | None = None,
-                  smooth: float = DEFAULT_SMOOTH) -> SearchResult:
+                  smooth: float = DEFAULT_SMOOTH, progress: Progress | None = None) -> SearchResult:
     if not 0.0 <= smooth < 1.0:
         raise SearchError(f"smooth: must be in [0, 1), got {smooth}")
     if objective not in ("goodput", "energy", "latency"):
@@ -394,7 +399,7 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
     for name, v in (("capture_budget_mib", budget.mib), ("capture_seconds", budget.seconds)):
         if v is not None and v <= 0:
             raise SearchError(f"{name}: must be > 0, got {v}")
-    grid = grid or OperatingGrid.build(cost, acceptance, max_batch=max_batch, max_k=max_k)
+    grid = grid or OperatingGrid.build(cost, acceptance, max_batch=max_batch, max_k=max_k, progress=progress)
     uni = grid.universe
     mib, sec = capture_costs(capture, uni)
     top = smallest_tier(uni, max_batch)  # plain decoding at max_batch must fit

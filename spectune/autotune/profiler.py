@@ -39,6 +39,7 @@ from spectune.autotune.measurement_study import (
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
 from spectune.runtime.table import (
+    MAX_BATCH,
     SCHEMA,
     CapturePoint,
     Costs,
@@ -64,7 +65,6 @@ class Defaults:
 # CPU: ~75 points of the tiny preset; GPU: ~130 points (each a graph capture + >= 20 replays)
 CPU_DEFAULTS = Defaults(dtype="float32", batch_sizes="1-16", max_k=7, context_len=256, trials=8)
 GPU_DEFAULTS = Defaults(dtype="bfloat16", batch_sizes="1-256", max_k=15, context_len=2048, trials=16)
-MAX_BATCH = 4096
 
 
 class ProfileError(SpectuneError):

@@ -292,8 +292,11 @@ def write_report(report: Report, out: str | os.PathLike[str]) -> list[Path]:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ReportError(out, "", "exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as exc:  # read-only or missing parent: name the folder asked for
+        raise ReportError(out, "", f"cannot write: {exc.strerror or exc}") from None
     tmp.chmod(0o755)  # mkdtemp makes it private; a report folder is for reading
     names = [*sorted(report.images), "report.html", "report.md"]
     try:
@@ -306,6 +309,8 @@ def write_report(report: Report, out: str | os.PathLike[str]) -> list[Path]:
         except OSError:
             for name in names:
                 os.replace(tmp / name, out / name)
+    except OSError as exc:  # e.g. a full disk while writing: one line naming the folder
+        raise ReportError(out, "", f"cannot write: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / n for n in names]

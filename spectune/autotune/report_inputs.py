@@ -200,6 +200,7 @@ def _sim_sets(data: dict[str, Any], file: str, stem: str) -> list[ResultSet]:
     header = {k: str(data[k]) for k in ("profile", "acceptance") if isinstance(data.get(k), str)}
     sets = []
     for scenario, rows in data.items():
+        rows = _scenario_rows(rows)
         if not (isinstance(rows, list) and rows and isinstance(rows[0], dict) and "policy" in rows[0]):
             continue
         parsed: list[_SimRow] = []
@@ -226,6 +227,27 @@ def _sim_sets(data: dict[str, Any], file: str, stem: str) -> list[ResultSet]:
         raise ReportError(file, "", "not a results file: needs 'rows' (bench) or scenario lists with "
                                     "'concurrency', 'plain', 'fixed', 'policy' (simulation)")
     return sets
+
+
+def _scenario_rows(value: Any) -> Any:
+    """A scenario of sim_policy_vs_fixed.py as rows of ``_SimRow`` fields. The script writes
+    ``{"source", "rows": [{"concurrency", "analytic": {...}, "monte_carlo": {plain, fixed, policy,
+    best_k, uniform, ...}}]}``; the Monte-Carlo arms are what the report shows (older files: a
+    plain list of such rows)."""
+    if isinstance(value, dict) and isinstance(value.get("rows"), list):
+        value = value["rows"]
+    if not isinstance(value, list):
+        return value
+    out = []
+    for row in value:
+        if isinstance(row, dict) and isinstance(row.get("monte_carlo"), dict):
+            mc = row["monte_carlo"]
+            row = {"concurrency": row.get("concurrency"), **{k: mc[k] for k in ("plain", "fixed", "policy", "best_k")
+                                                               if k in mc}}
+            if "uniform" in mc:
+                row["policy_uniform_alloc"] = mc["uniform"]
+        out.append(row)
+    return out
 
 
 def read_results(path: str | os.PathLike[str], stem: str | None = None) -> list[ResultSet]:

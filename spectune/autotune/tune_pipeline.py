@@ -9,12 +9,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
-from spectune.autotune.policy_search import DEFAULT_SMOOTH, Objective, SearchResult, search_policy
+from spectune.autotune.policy_search import (
+    DEFAULT_SMOOTH,
+    Objective,
+    Progress,
+    SearchResult,
+    search_policy,
+)
 from spectune.autotune.simulator import FixedK, SimResult, simulate
-from spectune.errors import SpectuneError
+from spectune.errors import SpectuneError, TableError
 from spectune.runtime.costs import CostModel
-from spectune.runtime.planner import Plan, Planner
-from spectune.runtime.table import Table
+from spectune.runtime.planner import Plan, Planner, step_ms
+from spectune.runtime.table import MAX_BATCH, MAX_CONTEXT, Table
 
 DEFAULT_TRIALS = 40
 # online correction grid and drift scenarios (live acceptance = tuned-on rates x scale)
@@ -128,27 +134,34 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
          capture_budget_mib: float | None = None, capture_seconds: float | None = None,
          latency_bound_ms: float | None = None, trials: int = DEFAULT_TRIALS, seed: int = 0,
          pareto: bool = False, max_batch: int | None = None, confirm: bool = False,
-         smooth: float = DEFAULT_SMOOTH, online: bool = False, context_len: int | None = None) -> TuneResult:
+         smooth: float = DEFAULT_SMOOTH, online: bool = False, context_len: int | None = None,
+         progress: Progress | None = None) -> TuneResult:
     """Search the policy; ``online`` also picks the online-correction settings by simulated drift
     (``search_online`` at concurrencies 1, max_batch / 4 and max_batch) and stores them.
     ``context_len``: mean context of the traffic to serve (default: the profile's); the KV read
-    grows with it, so the best K at a batch size does too."""
+    grows with it, so the best K at a batch size does too. ``progress(done, total)`` is called as
+    the operating grid is built (its longest phase). Every argument is checked before any work."""
     w = profile.workload
     max_batch = w.max_batch if max_batch is None else max_batch
-    if max_batch < 1:
-        raise SpectuneError(f"max_batch: must be >= 1, got {max_batch}")
-    if context_len is not None and context_len < 1:
-        raise SpectuneError(f"context_len: must be >= 1, got {context_len}")
+    check_tune_args(max_batch=max_batch, context_len=context_len, trials=trials, smooth=smooth,
+                    latency_bound_ms=latency_bound_ms, capture_budget_mib=capture_budget_mib,
+                    capture_seconds=capture_seconds)
     if w.max_k < 1:
-        raise SpectuneError("workload.max_k: must be >= 1 to tune speculative decoding")
+        raise TableError("workload.max_k", f"must be >= 1 to tune speculative decoding, got {w.max_k}")
     model = resolve_acceptance(acceptance, w.max_k)
     cost = cost_model(profile)
     if context_len is not None:
         cost = dataclasses.replace(cost, context_len=context_len)
+    if latency_bound_ms is not None and objective == "latency":
+        fastest = step_ms(cost, 1, 0, 1)
+        if latency_bound_ms < fastest:
+            raise SpectuneError(f"latency_bound_ms: {latency_bound_ms:g} ms is below the fastest step of this "
+                                f"profile (plain decoding at batch 1: {fastest:.3g} ms); no policy can meet it")
     result = search_policy(
         cost, model, max_batch=max_batch, max_k=w.max_k, capture=profile.costs.capture,
         objective=objective, capture_budget_mib=capture_budget_mib, capture_seconds=capture_seconds,
         latency_bound_ms=latency_bound_ms, trials=trials, seed=seed, pareto=pareto, smooth=smooth,
+        progress=progress,
     )
     table = dataclasses.replace(
         profile,
@@ -167,6 +180,24 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
         picks = sorted({1, max(1, max_batch // 4), max_batch})
         checks = confirm_policy(table, model, picks, seed=seed)
     return TuneResult(table, result, model, checks, picked)
+
+
+def check_tune_args(*, max_batch: int, context_len: int | None, trials: int, smooth: float,
+                    latency_bound_ms: float | None, capture_budget_mib: float | None,
+                    capture_seconds: float | None) -> None:
+    """Ranges of tune's arguments (the CLI's types check the same; this guards library callers)."""
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise SpectuneError(f"max_batch: must be in 1..{MAX_BATCH} (MAX_BATCH), got {max_batch}")
+    if context_len is not None and not 1 <= context_len <= MAX_CONTEXT:
+        raise SpectuneError(f"context_len: must be in 1..{MAX_CONTEXT}, got {context_len}")
+    if trials < 1:
+        raise SpectuneError(f"trials: must be >= 1, got {trials}")
+    if not 0.0 <= smooth < 1.0:
+        raise SpectuneError(f"smooth: must be in [0, 1), got {smooth}")
+    for name, v in (("latency_bound_ms", latency_bound_ms), ("capture_budget_mib", capture_budget_mib),
+                    ("capture_seconds", capture_seconds)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise SpectuneError(f"{name}: must be a finite number > 0, got {v}")
 
 
 def tune_table(profile: Table, acceptance: str | AcceptanceModel | None, *, objective: Objective = "goodput",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,9 @@ def power_w(p: PowerModel | None, tokens: float) -> float | None:
 
 
 MIN_ROW_POINTS = 3  # a batch size enters the residual grid with at least this many token counts
+# relative slack on "more tokens cannot be faster": a point slower by more than this than a point
+# with more tokens at the same batch size is inconsistent (CPU wall-clock noise reaches ~10 %)
+RESIDUAL_NOISE = 0.15
 
 
 @dataclass(frozen=True)
@@ -69,20 +73,21 @@ class TargetResiduals:
     32 x 8, enough to pick K 4 over K 3 where K 3 measures 3 % faster. The factor at (b, n) is
     linear in log2 n along each measured batch size, then linear in log2 b between the two
     nearest measured batch sizes; constant past the ends. Grid rows are batch sizes with >=
-    ``MIN_ROW_POINTS`` token counts (the seed grid; single adaptive points would bend a row)."""
+    ``MIN_ROW_POINTS`` token counts (the seed grid; single adaptive points would bend a row).
+
+    Consistency (``consistent_rows``): along a batch size a step cannot get faster with more
+    tokens beyond ``RESIDUAL_NOISE``. Of a pair that breaks it, the point farther from the fit is
+    dropped (a noise spike on a shared CPU: 8.09 ms at 16 x 16 tokens beside 1.91 ms at 16 x 32),
+    until the row is consistent; a row left with fewer than ``MIN_ROW_POINTS`` points is refused.
+    ``CostModel.target_ms`` also never returns less than plain decoding of the same batch for a
+    step with at least that many tokens, so a gain over plain is at most K + 1."""
 
     log_batches: tuple[float, ...]  # ascending log2 batch of each row
     rows: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]  # per row: log2 tokens, log ratio
 
     @classmethod
     def from_points(cls, params: TargetCost, points: Sequence[Point], context_len: float) -> TargetResiduals | None:
-        by_batch: dict[int, dict[int, float]] = {}
-        for p in points:
-            if p.kind == "target" and not p.held_out and p.ms is not None and p.ms > 0 and p.tokens >= 1:
-                fit = target_ms(params, p.tokens, p.batch, context_len)
-                if fit > 0:
-                    by_batch.setdefault(p.batch, {})[p.tokens] = math.log(p.ms / fit)
-        grid = sorted((b, row) for b, row in by_batch.items() if len(row) >= MIN_ROW_POINTS)
+        grid, _ = consistent_rows(params, points, context_len)
         if not grid:
             return None
         rows = tuple((tuple(math.log2(n) for n in sorted(row)), tuple(row[n] for n in sorted(row)))
@@ -97,6 +102,53 @@ class TargetResiduals:
         x0, x1 = self.log_batches[i - 1], self.log_batches[i]
         w = (lb - x0) / (x1 - x0)
         return math.exp((1 - w) * _interp(ln, *self.rows[i - 1]) + w * _interp(ln, *self.rows[i]))
+
+
+def consistent_rows(params: TargetCost, points: Sequence[Point], context_len: float
+                    ) -> tuple[list[tuple[int, dict[int, float]]], list[str]]:
+    """The residual grid [(batch, {tokens: log(measured / fit)})] and a note per point dropped or
+    row refused (TargetResiduals doc). Repeated (batch, tokens) points: their median."""
+    seen: dict[int, dict[int, list[float]]] = {}
+    for p in points:
+        if p.kind == "target" and not p.held_out and p.ms is not None and p.ms > 0 and p.tokens >= 1:
+            seen.setdefault(p.batch, {}).setdefault(p.tokens, []).append(p.ms)
+    grid: list[tuple[int, dict[int, float]]] = []
+    notes: list[str] = []
+    for b in sorted(seen):
+        ms = {n: statistics.median(v) for n, v in seen[b].items()}
+        if len(ms) < MIN_ROW_POINTS:
+            continue
+        fit = {n: target_ms(params, n, b, context_len) for n in ms}
+        if min(fit.values()) <= 0:
+            continue
+        dropped = _drop_inconsistent(ms, fit)
+        notes += [f"batch {b}: left out {ms_n:.3g} ms at {n} tokens ({why})" for n, ms_n, why in dropped]
+        if len(ms) < MIN_ROW_POINTS:
+            notes.append(f"batch {b}: row refused, {len(ms)} consistent points left (< {MIN_ROW_POINTS})")
+            continue
+        grid.append((b, {n: math.log(ms[n] / fit[n]) for n in ms}))
+    return grid, notes
+
+
+def _drop_inconsistent(ms: dict[int, float], fit: dict[int, float]) -> list[tuple[int, float, str]]:
+    """Remove from ``ms`` (tokens -> ms, one batch size) points until no point is slower than one
+    with more tokens by more than RESIDUAL_NOISE; of the worst pair, the one farther from the fit
+    goes. Returns (tokens, ms, reason) of each point removed."""
+    out: list[tuple[int, float, str]] = []
+    while True:
+        ns = sorted(ms)
+        worst, pair = 1.0 + RESIDUAL_NOISE, None
+        for i, lo in enumerate(ns):
+            for hi in ns[i + 1:]:
+                if ms[lo] / ms[hi] > worst:
+                    worst, pair = ms[lo] / ms[hi], (lo, hi)
+        if pair is None:
+            return out
+        lo, hi = pair
+        gone, kept = (lo, hi) if abs(math.log(ms[lo] / fit[lo])) >= abs(math.log(ms[hi] / fit[hi])) else (hi, lo)
+        out.append((gone, ms[gone], f"{ms[lo]:.3g} ms at {lo} is slower than {ms[hi]:.3g} ms at {hi} tokens; "
+                                    f"the point at {kept} is nearer the fit"))
+        del ms[gone]
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -131,9 +183,16 @@ class CostModel:
 
     def target_ms(self, tokens: float, batch: float, context: float | None = None, *,
                   verify: bool | None = None) -> float:
-        ms = target_ms(self.params.target, tokens, batch, self.context_len if context is None else context,
-                       verify=verify)
-        return ms * self.residuals.factor(tokens, batch) if self.residuals is not None else ms
+        c = self.context_len if context is None else context
+        ms = target_ms(self.params.target, tokens, batch, c, verify=verify)
+        if self.residuals is None:
+            return ms  # the fit alone is non-decreasing in tokens (its coefficients are >= 0)
+        ms *= self.residuals.factor(tokens, batch)
+        if tokens > batch:
+            # a step of b requests verifying more tokens never beats plain decoding of b requests
+            plain = target_ms(self.params.target, batch, batch, c, verify=False) * self.residuals.factor(batch, batch)
+            ms = max(ms, plain)
+        return ms
 
     def drafter_ms(self, batch: float, k: int, context: float | None = None) -> float:
         c = self.context_len if context is None else context

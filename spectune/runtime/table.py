@@ -2,12 +2,28 @@
 
 A *profile* has hardware/software/workload/costs; a *policy table* adds acceptance and policy.
 Each section is a frozen dataclass; ``from_dict`` rejects unknown keys and ``validate`` checks
-ranges, so every error names its field (``policy.rows[2].batch``).
+ranges, so every error names its field (``policy.rows[2].batch``). This is the one schema: the
+CLI's ``validate``, ``tune``, ``bench``, ``export``, ``report`` and the runtime's ``load`` all read
+tables through ``read_table``. What it guarantees of a table that loads:
+
+- every number is finite; costs, times, watts and counts are >= 0, and a target step takes time
+  (``weight_ms + token_ms > 0``), so nothing downstream divides by zero;
+- every choice is a known one (``workload.dtype``, ``policy.objective``, ``costs.points[].kind``);
+- sizes are capped with the reason (MAX_BATCH, MAX_K, MAX_CONTEXT, MAX_POINTS, MAX_TIERS): a
+  table never makes a reader allocate per batch size or per token beyond them;
+- a row's gain is physically possible: K drafts emit at most K + 1 tokens per step, and a step
+  that verifies drafts is never cheaper than plain decoding of the same batch, so
+  0 < gain <= K + 1 (K = 0: <= 1);
+- a row's tier holds the row's tokens, its budget fits its drafts (``verify_budget <= hi * k``),
+  the online controller's K range lies inside ``workload.max_k``, and the acceptance section is a
+  well-formed mixture (weights sum to 1, rates in [0, 1]).
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -23,6 +39,14 @@ from spectune.runtime.schema import (
 
 SCHEMA = "spectune/1"
 
+# caps, each with its reason (the error names it)
+MAX_BATCH = 4096  # largest batch size a table covers (the planner keeps one entry per batch size)
+MAX_K = 64  # largest draft length (deeper drafts are accepted with vanishing probability)
+MAX_CONTEXT = 1 << 22  # tokens of KV context per request
+MAX_POINTS = 100_000  # measured points in one profile (a GPU profile has ~130)
+MAX_TIERS = 4096  # captured token tiers (each one is a CUDA graph)
+GAIN_SLACK = 1e-3  # rounding slack on a row's gain bound (gains are written to 4 decimals)
+
 DrafterKind = Literal["autoregressive", "parallel"]
 PointKind = Literal["target", "tier", "drafter", "overhead"]
 
@@ -35,6 +59,13 @@ class Hardware:
     memory_gib: float | None = None
     power_limit_w: float | None = None
     sm_count: int | None = None
+
+    def validate(self, path: str) -> None:
+        require(bool(self.gpu.strip()), f"{path}.gpu", "must not be empty")
+        for name in ("memory_gib", "power_limit_w"):
+            v = getattr(self, name)
+            require(v is None or v >= 0, f"{path}.{name}", f"must be >= 0, got {v}")
+        require(self.sm_count is None or self.sm_count >= 1, f"{path}.sm_count", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -60,10 +91,14 @@ class Workload:
     attention: str | None = None  # attention the target was timed with: triton_paged / torch_folded
 
     def validate(self, path: str) -> None:
-        require(self.drafter_layers >= 1, f"{path}.drafter_layers", "must be >= 1")
-        require(self.context_len >= 1, f"{path}.context_len", "must be >= 1")
-        require(0 <= self.max_k <= 64, f"{path}.max_k", "must be in 0..64")
-        require(self.max_batch >= 1, f"{path}.max_batch", "must be >= 1")
+        require(bool(self.target.strip()), f"{path}.target", "must not be empty")
+        require(bool(self.drafter.strip()), f"{path}.drafter", "must not be empty")
+        require(1 <= self.drafter_layers <= 1024, f"{path}.drafter_layers", "must be in 1..1024")
+        require(1 <= self.context_len <= MAX_CONTEXT, f"{path}.context_len",
+                f"must be in 1..{MAX_CONTEXT} (tokens of KV per request), got {self.context_len}")
+        require(0 <= self.max_k <= MAX_K, f"{path}.max_k", f"must be in 0..{MAX_K}, got {self.max_k}")
+        require(1 <= self.max_batch <= MAX_BATCH, f"{path}.max_batch",
+                f"must be in 1..{MAX_BATCH} (the planner keeps one entry per batch size), got {self.max_batch}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +122,8 @@ class TargetCost:
     def validate(self, path: str) -> None:
         for name in ("weight_ms", "token_ms", "knee_tokens", "compute_ms", "kv_ms_per_mtok", "kv_verify_ms_per_mtok"):
             require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+        require(self.weight_ms + self.token_ms > 0, f"{path}.weight_ms",
+                "a target step takes time: weight_ms + token_ms must be > 0")
 
 
 @dataclass(frozen=True)
@@ -118,6 +155,10 @@ class OverheadCost:
     token_ms: float
     source: str | None = None
 
+    def validate(self, path: str) -> None:
+        for name in ("base_ms", "token_ms"):
+            require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+
 
 @dataclass(frozen=True)
 class PowerModel:
@@ -126,6 +167,11 @@ class PowerModel:
     idle_w: float
     busy_w: float
     saturate_tokens: float
+
+    def validate(self, path: str) -> None:
+        require(self.idle_w >= 0, f"{path}.idle_w", "must be >= 0")
+        require(self.busy_w >= self.idle_w, f"{path}.busy_w", f"must be >= idle_w ({self.idle_w})")
+        require(self.saturate_tokens > 0, f"{path}.saturate_tokens", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -142,12 +188,23 @@ class CostError:
     median_rel: float
     max_rel: float
 
+    def validate(self, path: str) -> None:
+        require(self.held_out >= 0, f"{path}.held_out", "must be >= 0")
+        require(self.median_rel >= 0, f"{path}.median_rel", "must be >= 0")
+        require(self.max_rel >= self.median_rel, f"{path}.max_rel", f"must be >= median_rel ({self.median_rel})")
+
 
 @dataclass(frozen=True)
 class CapturePoint:
     tokens: int  # tier (token count of the captured verification graph)
     seconds: float
     mib: float
+
+    def validate(self, path: str) -> None:
+        require(1 <= self.tokens <= MAX_BATCH * (MAX_K + 1), f"{path}.tokens",
+                f"must be in 1..{MAX_BATCH * (MAX_K + 1)} (MAX_BATCH x (MAX_K + 1))")
+        require(self.seconds >= 0, f"{path}.seconds", "must be >= 0")
+        require(self.mib >= 0, f"{path}.mib", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -168,6 +225,22 @@ class Point:
     throttle: int | None = None
     held_out: bool = False
 
+    def validate(self, path: str) -> None:
+        require(1 <= self.batch <= MAX_BATCH, f"{path}.batch", f"must be in 1..{MAX_BATCH}, got {self.batch}")
+        top = MAX_BATCH * (MAX_K + 1)
+        require(1 <= self.tokens <= top, f"{path}.tokens", f"must be in 1..{top}, got {self.tokens}")
+        require(self.ms is None or self.ms > 0, f"{path}.ms", f"must be > 0 (or null: infeasible), got {self.ms}")
+        require(self.q is None or 1 <= self.q <= MAX_K + 1, f"{path}.q", f"must be in 1..{MAX_K + 1}")
+        require(self.k is None or 0 <= self.k <= MAX_K, f"{path}.k", f"must be in 0..{MAX_K}")
+        for name in ("joules", "power_w", "sm_clock_mhz", "throttle"):
+            v = getattr(self, name)
+            require(v is None or v >= 0, f"{path}.{name}", f"must be >= 0, got {v}")
+        if self.kind == "target" and self.q is not None:
+            require(self.tokens == self.batch * self.q, f"{path}.tokens",
+                    f"a target point has batch x q = {self.batch * self.q} tokens, got {self.tokens}")
+        if self.kind == "tier":
+            require(self.tokens >= self.batch, f"{path}.tokens", f"a tier holds its {self.batch} requests")
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -177,6 +250,10 @@ class Costs:
     capture: list[CapturePoint] = field(default_factory=list)
     points: list[Point] = field(default_factory=list)
     measurements: str | None = None  # path of the full CSV/parquet measurement table
+
+    def validate(self, path: str) -> None:
+        require(len(self.points) <= MAX_POINTS, f"{path}.points", f"more than {MAX_POINTS} points")
+        require(len(self.capture) <= MAX_TIERS, f"{path}.capture", f"more than {MAX_TIERS} tiers")
 
 
 @dataclass(frozen=True)
@@ -198,7 +275,8 @@ class Row:
     def validate(self, path: str) -> None:
         lo, hi = self.batch
         require(1 <= lo <= hi, f"{path}.batch", f"must be [lo, hi] with 1 <= lo <= hi, got [{lo}, {hi}]")
-        require(self.k >= 0, f"{path}.k", "must be >= 0")
+        require(hi <= MAX_BATCH, f"{path}.batch", f"must end at <= {MAX_BATCH} (MAX_BATCH), got {hi}")
+        require(0 <= self.k <= MAX_K, f"{path}.k", f"must be in 0..{MAX_K}, got {self.k}")
         require(self.verify_budget >= 0, f"{path}.verify_budget", "must be >= 0")
         require(self.k > 0 or self.verify_budget == 0, f"{path}.verify_budget", "must be 0 when k is 0")
         if self.tokens is not None:
@@ -207,10 +285,21 @@ class Row:
             require(all(self.tokens[i] <= self.tokens[i + 1] + 1e-9 <= self.tokens[i] + 1.0 + 1e-9
                         for i in range(len(self.tokens) - 1)), f"{path}.tokens",
                     "must grow by 0..1 per extra draft")
+        require(self.verify_budget <= hi * self.k, f"{path}.verify_budget",
+                f"{self.verify_budget} exceeds the {hi * self.k} drafts of {hi} requests x K={self.k}")
         if self.budget_mode == "fill-tier":
             require(self.tier is not None, f"{path}.tier", "required when budget_mode is fill-tier")
             require(self.tier is None or hi + self.verify_budget <= self.tier, f"{path}.verify_budget",
                     f"hi + verify_budget = {hi + self.verify_budget} exceeds tier {self.tier}")
+        elif self.tier is not None:
+            need = hi + min(hi * self.k, self.verify_budget)  # tokens of the row's largest step
+            require(self.tier >= need, f"{path}.tier",
+                    f"{self.tier} cannot hold the {need} tokens of batch {hi} (1 + its drafts per request)")
+        if self.gain is not None:
+            # K drafts emit <= K + 1 tokens per request and step, at no less than a plain step's cost
+            top = (self.k + 1) * (1 + GAIN_SLACK)
+            require(0 < self.gain <= top, f"{path}.gain",
+                    f"{self.gain} vs plain is not possible with K={self.k} (must be in (0, {self.k + 1}])")
 
 
 @dataclass(frozen=True)
@@ -253,9 +342,11 @@ class Online:
         require(self.change_window > 1.0, f"{path}.change_window", "must be > 1 (steps)")
         require(self.change_z > 0.0, f"{path}.change_z", "must be > 0")
         require(self.decide_every >= 1, f"{path}.decide_every", "must be >= 1")
-        require(self.min_k >= 0, f"{path}.min_k", "must be >= 0")
-        require(self.max_k is None or self.max_k >= self.min_k, f"{path}.max_k", "must be >= min_k")
+        require(0 <= self.min_k <= MAX_K, f"{path}.min_k", f"must be in 0..{MAX_K}")
+        require(self.max_k is None or self.min_k <= self.max_k <= MAX_K, f"{path}.max_k",
+                f"must be in min_k..{MAX_K} ({self.min_k}..{MAX_K}), got {self.max_k}")
         if self.prior is not None:
+            require(0 < len(self.prior) <= MAX_K, f"{path}.prior", f"must hold 1..{MAX_K} rates")
             require(all(0.0 <= a <= 1.0 for a in self.prior), f"{path}.prior", "must be in [0, 1]")
         if self.adapt_range is not None:
             lo, hi = self.adapt_range
@@ -267,15 +358,19 @@ class Policy:
     tiers: list[int]
     rows: list[Row]
     online: Online
-    objective: str = "goodput"
+    objective: Literal["goodput", "energy", "latency", "pareto"] = "goodput"
     # mean context (tokens in the KV cache per request) of the traffic the policy was tuned for;
     # None: the profile's workload.context_len
     context_len: int | None = None
 
     def validate(self, path: str) -> None:
         require(self.context_len is None or self.context_len >= 1, f"{path}.context_len", "must be >= 1")
-        require(len(self.tiers) > 0, f"{path}.tiers", "must not be empty")
-        require(all(t >= 1 for t in self.tiers), f"{path}.tiers", "must be positive")
+        require(self.context_len is None or self.context_len <= MAX_CONTEXT, f"{path}.context_len",
+                f"must be <= {MAX_CONTEXT}")
+        require(0 < len(self.tiers) <= MAX_TIERS, f"{path}.tiers", f"must hold 1..{MAX_TIERS} tiers")
+        top = MAX_BATCH * (MAX_K + 1)
+        require(all(1 <= t <= top for t in self.tiers), f"{path}.tiers",
+                f"must be in 1..{top} tokens (MAX_BATCH x (MAX_K + 1))")
         require(list(self.tiers) == sorted(set(self.tiers)), f"{path}.tiers", "must be strictly increasing")
         require(len(self.rows) > 0, f"{path}.rows", "must not be empty")
         expect = 1
@@ -293,6 +388,62 @@ class Policy:
                 f"{path}.rows[{i}]",
                 f"needs {need} tokens but the largest tier is {self.tiers[-1]}",
             )
+
+
+MAX_CLASSES = 64  # request classes in an acceptance mixture
+WEIGHT_SLACK = 1e-3  # mixture weights must sum to 1 within this
+
+
+def check_mixture(weights: Sequence[float], rates: Sequence[Sequence[float]], max_k: int,
+                  calibration: Sequence[Sequence[float]] | None, path: str) -> None:
+    """An acceptance mixture: weights in (0, 1] summing to 1, per class ``max_k`` conditional rates
+    in [0, 1], calibration bins with increasing edges in (0, 1] and probabilities in [0, 1].
+    The acceptance section of a table and ``autotune.acceptance.AcceptanceModel`` both check here."""
+
+    def at(name: str) -> str:
+        return f"{path}.{name}" if path else name
+
+    require(1 <= max_k <= MAX_K, at("max_k"), f"must be in 1..{MAX_K}, got {max_k}")
+    require(0 < len(weights) <= MAX_CLASSES, at("components"), f"must hold 1..{MAX_CLASSES} classes")
+    for i, (w, accept) in enumerate(zip(weights, rates, strict=True)):
+        require(math.isfinite(w) and 0.0 < w <= 1.0 + WEIGHT_SLACK, at(f"components[{i}].weight"),
+                f"must be in (0, 1], got {w}")
+        require(len(accept) == max_k, at(f"components[{i}].accept"),
+                f"has {len(accept)} positions, max_k is {max_k}")
+        for j, a in enumerate(accept):
+            require(math.isfinite(a) and 0.0 <= a <= 1.0, at(f"components[{i}].accept[{j}]"),
+                    f"must be in [0, 1], got {a}")
+    total = math.fsum(weights)
+    require(abs(total - 1.0) <= WEIGHT_SLACK, at("components"), f"weights sum to {total:.6f}, must sum to 1")
+    prev = 0.0
+    for i, (edge, prob) in enumerate(calibration or ()):
+        require(prev < edge <= 1.0, at(f"calibration[{i}]"), "bin edges must increase within (0, 1]")
+        require(0.0 <= prob <= 1.0, at(f"calibration[{i}]"), f"probability {prob} is outside [0, 1]")
+        prev = edge
+
+
+@dataclass(frozen=True)
+class AcceptanceClass:
+    weight: float
+    accept: list[float]  # [max_k] conditional rates a_1..a_max_k
+
+
+@dataclass(frozen=True)
+class AcceptanceSection:
+    """What a policy was tuned on (``autotune.acceptance.AcceptanceModel.to_dict``)."""
+
+    source: str
+    max_k: int
+    components: list[AcceptanceClass]
+    calibration: list[tuple[float, float]] | None = None  # (confidence bin upper edge, P(accept | bin))
+
+    def validate(self, path: str) -> None:
+        check_mixture([c.weight for c in self.components], [c.accept for c in self.components], self.max_k,
+                      self.calibration, path)
+
+
+def check_acceptance_section(data: Any, path: str = "acceptance") -> AcceptanceSection:
+    return from_dict(AcceptanceSection, data, path)
 
 
 @dataclass(frozen=True)
@@ -316,6 +467,15 @@ class Table:
             )
             for i, row in enumerate(self.policy.rows):
                 require(row.k <= self.workload.max_k, f"policy.rows[{i}].k", f"exceeds workload.max_k={self.workload.max_k}")
+            online, top = self.policy.online, self.workload.max_k
+            require(online.max_k is None or online.max_k <= top, "policy.online.max_k",
+                    f"{online.max_k} exceeds workload.max_k={top} (the drafter was measured up to it)")
+            require(online.min_k <= max(top, 0), "policy.online.min_k", f"{online.min_k} exceeds workload.max_k={top}")
+            if online.prior is not None:
+                require(len(online.prior) <= max(top, 1), "policy.online.prior",
+                        f"has {len(online.prior)} rates, workload.max_k is {top}")
+        if self.acceptance is not None:
+            check_acceptance_section(self.acceptance, "acceptance")
 
     @property
     def is_policy(self) -> bool:
@@ -327,6 +487,8 @@ def table_from_dict(data: Any, file: str | os.PathLike[str] | None = None) -> Ta
         return from_dict(Table, data)
     except TableError as exc:
         raise TableError(exc.field, exc.reason, file) from None
+    except RecursionError:  # a self-referencing YAML alias where a section was expected
+        raise TableError("", "not a spectune table: nested too deeply", file) from None
 
 
 def read_table(path: str | os.PathLike[str]) -> Table:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from spectune.runtime.costs import CostModel, TargetResiduals
+from spectune.runtime.costs import CostModel, TargetResiduals, consistent_rows
 from spectune.runtime.costs import target_ms as fit_ms
 from spectune.runtime.planner import step_ms
 from spectune.runtime.table import CostModelParams, DrafterCost, OverheadCost, Point, TargetCost
@@ -28,7 +28,7 @@ def grid(wobble) -> list[Point]:
 
 
 def test_residuals_are_exact_on_the_grid_and_interpolate_between():
-    wob = {1: 1.0, 2: 1.04, 4: 0.93, 8: 1.02}
+    wob = {1: 1.0, 2: 1.04, 4: 1.01, 8: 1.06}  # q 4 a little faster than q 2: within the noise
     pts = grid(lambda b, q: wob[q] * (1.01 if b == 16 else 1.0))
     res = TargetResiduals.from_points(TARGET, pts, CTX)
     assert res is not None
@@ -37,7 +37,7 @@ def test_residuals_are_exact_on_the_grid_and_interpolate_between():
         assert model.target_ms(p.tokens, p.batch) == pytest.approx(p.ms, rel=1e-9)
     # between q 2 and 4 at batch 4: geometric mean of the two ratios at the log midpoint
     mid = model.target_ms(4 * math.sqrt(8), 4) / fit_ms(TARGET, 4 * math.sqrt(8), 4, CTX)
-    assert mid == pytest.approx(math.sqrt(1.04 * 0.93), rel=1e-9)
+    assert mid == pytest.approx(math.sqrt(1.04 * 1.01), rel=1e-9)
     # between batch 4 and 16 (log midpoint 8) at 8 tokens: row 4 at 8 tokens (q 2: 1.04), row 16
     # below its fewest tokens (16, q 1: 1.0 x 1.01); rows are interpolated along tokens, then batch
     assert res.factor(8, 8) == pytest.approx(math.sqrt(1.04 * 1.01), rel=1e-9)
@@ -54,6 +54,35 @@ def test_residuals_need_rows_of_three_points_and_skip_held_out_and_infeasible():
     assert res is not None and len(res.rows) == 4  # batch 3 has one point: no row
     assert res.factor(12, 4) == pytest.approx(1.0)
     assert TargetResiduals.from_points(TARGET, pts[:2], CTX) is None
+
+
+def test_a_noise_spike_is_left_out_and_the_row_kept():
+    # batch 16: the plain step measured 4x slow (a preempted CPU), slower than 16 x 2 tokens
+    pts = grid(lambda b, q: 4.2 if (b, q) == (16, 1) else 1.0)
+    grid_rows, notes = consistent_rows(TARGET, pts, CTX)
+    assert dict(grid_rows)[16].keys() == {32, 64, 128}
+    assert len(notes) == 1 and notes[0].startswith("batch 16: left out") and "16 tokens" in notes[0]
+    model = CostModel(PARAMS, "autoregressive", CTX, TargetResiduals.from_points(TARGET, pts, CTX))
+    assert model.target_ms(16, 16) == pytest.approx(fit_ms(TARGET, 16, 16, CTX), rel=1e-9)
+
+
+def test_a_row_left_with_too_few_consistent_points_is_refused():
+    # batch 4: times fall with tokens at every step, far beyond noise
+    pts = grid(lambda b, q: {1: 4.0, 2: 2.0, 4: 1.0, 8: 0.5}[q] if b == 4 else 1.0)
+    grid_rows, notes = consistent_rows(TARGET, pts, CTX)
+    assert 4 not in dict(grid_rows) and {1, 16, 64} <= dict(grid_rows).keys()
+    assert any(n.startswith("batch 4: row refused") for n in notes)
+
+
+@pytest.mark.parametrize("b", [1, 3, 4, 16, 40, 64, 100])
+def test_a_corrected_step_never_beats_plain_decoding_of_its_batch(b):
+    # residuals that make more tokens look cheaper than plain (within the noise, so kept)
+    pts = grid(lambda bb, q: {1: 1.1, 2: 0.97, 4: 0.96, 8: 1.0}[q])
+    model = CostModel(PARAMS, "autoregressive", CTX, TargetResiduals.from_points(TARGET, pts, CTX))
+    plain = model.target_ms(b, b, verify=False)
+    for n in range(b, b * 9):
+        assert model.target_ms(n, b) >= plain
+        assert model.target_ms(n, b, verify=False) >= plain
 
 
 def test_step_time_uses_the_corrected_target():

@@ -43,7 +43,7 @@ def full_table():
                       sm_clock_mhz=1980, throttle=0),
                 Point(kind="drafter", batch=256, tokens=3840, ms=None, k=15, held_out=True)],
         measurements="h200.csv",
-        acceptance={"source": "curve:0.8,0.6", "mean_len": 2.4},
+        acceptance={"source": "curve:0.8,0.6", "max_k": 2, "components": [{"weight": 1.0, "accept": [0.8, 0.75]}]},
         policy=Policy(
             tiers=[16, 64, 512],
             rows=[Row(batch=(1, 8), k=7, verify_budget=56, tier=64, gain=1.8),
@@ -105,7 +105,7 @@ def edit(fn):
     (lambda d: d["policy"]["rows"][0].update(k=16, verify_budget=16), "policy.rows[0].k", "max_k"),
     (lambda d: d["policy"]["rows"][2].update(batch=[65, 200]), "policy.rows", "max_batch"),
     (lambda d: d["policy"].update(tiers=[64, 16, 512]), "policy.tiers", "increasing"),
-    (lambda d: d["policy"]["rows"][0].update(tier=32), "policy.rows[0].tier", "not a captured tier"),
+    (lambda d: d["policy"]["rows"][0].update(tier=128), "policy.rows[0].tier", "not a captured tier"),
     (lambda d: d["policy"]["online"].update(window=0.0), "policy.online.window", "> 1"),
     (lambda d: d["policy"]["online"].update(ema=0.05), "policy.online.ema", "re-run `spectune tune`"),
     (lambda d: d["policy"]["online"].update(adapt_range=[1.2, 1.3]), "policy.online.adapt_range", "0 < lo <= 1 <= hi"),
