@@ -299,32 +299,44 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="turn a policy table into an engine's config")
+    p = sub.add_parser("export", help="turn a policy table into an engine's config and server flags",
+                       description="Write the engine's config file (stdout or --out) and print the server "
+                                   "flags that go with it on stderr (docs/EXPORTS.md).")
     p.add_argument("policy", help="policy table YAML from `spectune tune`")
     p.add_argument("--format", required=True, choices=["vllm", "sglang", "trtllm"],
-                   help="vllm: speculative_config JSON; sglang: --speculative-adaptive-config JSON; "
-                        "trtllm: speculative_config YAML (extra LLM API options)")
+                   help="vllm: --speculative-config JSON; sglang: --speculative-adaptive-config JSON; "
+                        "trtllm: extra LLM API options YAML")
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
-    p.add_argument("--drafter-model", default=None,
-                   help="drafter checkpoint to name in the config (vllm `model`, trtllm `speculative_model`)")
     p.add_argument("--method", default=None,
-                   help="speculative method to name in the config (vllm `method`, e.g. eagle3; "
-                        "trtllm `decoding_type`, e.g. Eagle)")
+                   help="speculative method, required: vllm ngram|eagle|eagle3|mtp|draft_model|...; "
+                        "sglang EAGLE|EAGLE3; trtllm eagle|eagle3|ngram|draft_model|mtp")
+    p.add_argument("--drafter-model", default=None,
+                   help="drafter checkpoint (vllm `model`, sglang --speculative-draft-model-path, trtllm "
+                        "`speculative_model`); required unless the method needs none (ngram, mtp)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="largest batch the engine runs: vllm --max-num-seqs (default 1024, vLLM's default on "
+                        "H100/H200), sglang's largest captured batch and trtllm max_batch_size (default: the "
+                        "policy's largest batch)")
+    p.add_argument("--engine-version", default=None,
+                   help="engine version whose rules to follow: vllm 0.33, sglang 0.5.23, trtllm upper|lower "
+                        "(draft_len_schedule key semantics of the newer / older code; default: the first)")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from spectune.autotune.export import export_table
+    from spectune.autotune.export import export_table, flags_line
     from spectune.io import atomic_write_text
     from spectune.runtime.table import read_table
 
     table = read_table(args.policy)
-    text = export_table(table, args.format, file=args.policy, method=args.method, model=args.drafter_model)
+    exp = export_table(table, args.format, file=args.policy, method=args.method, model=args.drafter_model,
+                       max_batch=args.max_batch, engine_version=args.engine_version, config_path=args.out)
     if args.out is None:
-        sys.stdout.write(text)
+        sys.stdout.write(exp.text)
     else:
-        atomic_write_text(args.out, text)
-        print(f"wrote {args.out} ({args.format})", file=sys.stderr)
+        atomic_write_text(args.out, exp.text)
+        print(f"wrote {args.out} ({args.format} {exp.engine_version})", file=sys.stderr)
+    print(f"server flags: {flags_line(exp)}", file=sys.stderr)
     return 0
 
 
