@@ -145,6 +145,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--acceptance", default=None,
                    help="curve:S1,S2,..., mixture:W*curve(...)+..., public:<drafter>/<target>/<dataset>, "
                         "metrics:FILE, FILE.jsonl (default: a published EAGLE-3 curve)")
+    p.add_argument("--scrape-every", type=float, default=None,
+                   help="with a vLLM metrics URL: scrape it every S seconds and read per-interval deltas "
+                        "(exact where each interval ran one K; docs/EXPORTS.md)")
+    p.add_argument("--scrape-for", type=float, default=None, help="with --scrape-every: poll for S seconds")
     p.add_argument("--out", required=True, help="policy table YAML path")
     p.add_argument("--objective", default="goodput", choices=["goodput", "energy", "latency"])
     p.add_argument("--latency-bound-ms", type=float, default=None, help="step (p99 ITL) bound for --objective latency")
@@ -166,6 +170,24 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune)
 
 
+def _polled_acceptance(args: argparse.Namespace):
+    """--acceptance as given, or with --scrape-every/--scrape-for the model of a polled vLLM URL."""
+    if args.scrape_every is None and args.scrape_for is None:
+        return args.acceptance
+    from spectune.autotune.acceptance_sources import metrics_model, poll_scrapes, split_spec
+    from spectune.runtime.table import read_table
+
+    if args.scrape_every is None or args.scrape_for is None:
+        raise UsageError("--scrape-every and --scrape-for go together")
+    paths, model, ks = split_spec(args.acceptance or "")
+    if len(paths) != 1 or not paths[0].lower().startswith(("http://", "https://")):
+        raise UsageError("--scrape-every needs --acceptance http(s)://HOST:PORT/metrics (one URL)")
+    max_k = read_table(args.profile).workload.max_k
+    print(f"scraping {paths[0]} every {args.scrape_every:g} s for {args.scrape_for:g} s", file=sys.stderr)
+    texts = poll_scrapes(paths[0], every_s=args.scrape_every, for_s=args.scrape_for)
+    return metrics_model(texts, max_k=max_k, model=model, ks=ks)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectune.autotune.tune_pipeline import tune
     from spectune.runtime.table import read_table, write_table
@@ -176,7 +198,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--smooth must be in [0, 1)")
     if args.context_len is not None and args.context_len < 1:
         raise UsageError("--context-len must be >= 1")
-    res = tune(read_table(args.profile), args.acceptance, objective=args.objective,
+    res = tune(read_table(args.profile), _polled_acceptance(args), objective=args.objective,
                capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
                latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
                pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
