@@ -362,6 +362,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit the profile's cost model to your engine's own benchmark results",
+                       description="Read vllm bench latency/serve and sglang bench_one_batch/bench_serving outputs, "
+                                   "rescale the cost model's weight-bound, per-token and drafter parts to them, "
+                                   "report the error on held-out points, write a profile for `spectune tune`.")
+    p.add_argument("profile", help="profile (or policy table) YAML")
+    p.add_argument("--engine-results", nargs="+", required=True,
+                   help="result files (FILE or FILE#batch=B&input=I&output=O for vllm bench latency)")
+    p.add_argument("--out", required=True, help="calibrated profile YAML")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from spectune.autotune.calibrate import calibrate_profile, read_engine_results
+    from spectune.runtime.table import read_table, write_table
+
+    table = read_table(args.profile)
+    points = [p for spec in args.engine_results for p in read_engine_results(spec)]
+    cal = calibrate_profile(table, points)
+    write_table(cal.table, args.out)
+    s = cal.scales
+    print(f"{len(points)} engine points; scales: weight-bound {s['weight']:.3f}, per-token {s['token']:.3f}, "
+          f"drafter {s['drafter']:.3f}" + ("" if any(p.k for p in points) else " (not calibrated: no K > 0 point)"))
+    (b_med, b_max), (a_med, a_max) = cal.error_before, cal.error_after
+    print(f"error on {cal.held_out} held-out points: median {a_med:.1%}, max {a_max:.1%} "
+          f"(uncalibrated: median {b_med:.1%}, max {b_max:.1%})")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="serving A/B: plain vs fixed K vs the policy",
                        description="Serve random prompts with a continuous-batching engine on the "
@@ -484,7 +514,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_bench, _add_report,
+    _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_calibrate, _add_bench,
+    _add_report,
 ]
 
 
