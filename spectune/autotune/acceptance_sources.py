@@ -216,11 +216,11 @@ def survival_from_intervals(intervals: Sequence[SpecCounters], where: str, *,
     accepted, offered, notes = [0.0] * k, [0.0] * k, []
     for j, c in enumerate(intervals):
         label = where if len(intervals) == 1 else f"{where}: interval {j + 1} of {len(intervals)}"
-        off, note = offered_counts(c, label, ks)
+        interval_offered, note = offered_counts(c, label, ks)
         notes.append(note)
         for i in range(len(c.per_pos)):
             accepted[i] += c.per_pos[i]
-            offered[i] += off[i]
+            offered[i] += interval_offered[i]
     survival, prev = [], 1.0
     for ci, off in zip(accepted, offered, strict=True):
         if off <= 0:

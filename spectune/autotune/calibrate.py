@@ -92,7 +92,7 @@ def _selector(spec: str) -> tuple[str, dict[str, int]]:
 
 
 def _vllm_latency(obj: dict, path: str, sel: dict[str, int]) -> EnginePoint:
-    args = dict(sel)
+    args: dict[str, Any] = dict(sel)
     pt = Path(path).with_suffix(".pytorch.json")
     if pt.exists() and not {"batch", "output"} <= args.keys():
         records = json.loads(pt.read_text())

@@ -113,6 +113,12 @@ def test_bad_result_files_are_one_line(tmp_path, capsys):
     lat.write_text(json.dumps({"avg_latency": 1.0, "latencies": [1.0], "percentiles": {}}))
     with pytest.raises(CalibrationError, match="names no batch size"):
         read_engine_results(str(lat))
+    # vLLM's own record of the run's arguments beside it (SAVE_TO_PYTORCH_BENCHMARK_FORMAT=1)
+    (tmp_path / "lat.pytorch.json").write_text(json.dumps([{"benchmark": {"name": "vLLM benchmark", "extra_info": {
+        "args": {"batch_size": 4, "input_len": 32, "output_len": 100, "speculative_config": None}}},
+        "model": {"name": "m"}, "metric": {"name": "latency", "benchmark_values": [1.0]}}]))
+    (p,) = read_engine_results(str(lat))
+    assert (p.batch, p.k, p.context, p.ms) == (4, 0, 82.0, 10.0)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"foo": 1}))
     assert main(["calibrate", str(PROFILE), "--engine-results", str(other), "--out", str(tmp_path / "o.yaml")]) == 2
