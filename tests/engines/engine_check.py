@@ -46,12 +46,41 @@ def sglang_k(item):
     return [params.get_steps_for_batch(b) for b in range(1, item["max_batch"] + 1)]
 
 
+def vllm_scrapes(item):
+    # vLLM's own counters: SpecDecodingStats.observe_draft per request-step, SpecDecodingProm.observe
+    # per engine step, exposition by prometheus_client; one scrape before and after each phase
+    from types import SimpleNamespace
+
+    import numpy as np
+    import prometheus_client
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    for collector in list(prometheus_client.REGISTRY._collector_to_names):  # one server per item
+        prometheus_client.REGISTRY.unregister(collector)
+    rates = np.array(item["rates"])
+    max_k = len(rates)
+    prom = SpecDecodingProm(SimpleNamespace(num_speculative_tokens=max_k), ["model_name", "engine"], {0: ["m", "0"]})
+    rng = np.random.default_rng(item["seed"])
+    scrapes = [prometheus_client.generate_latest().decode()]
+    for ks in item["phases"]:
+        for step in range(item["steps"]):
+            k = ks[step % len(ks)]
+            stats = SpecDecodingStats.new(max_k)
+            for _ in range(item["batch"]):
+                ok = rng.random(k) < rates[:k]
+                stats.observe_draft(k, int(np.argmin(ok)) if not ok.all() else k)
+            prom.observe(stats)
+        scrapes.append(prometheus_client.generate_latest().decode())
+    return scrapes
+
+
 def main():
     warnings.simplefilter("ignore")
     out = []
     for item in json.load(sys.stdin):
         try:
-            out.append(vllm_k(item) if item["fmt"] == "vllm" else sglang_k(item))
+            run = {"vllm": vllm_k, "sglang": sglang_k, "vllm-metrics": vllm_scrapes}[item["fmt"]]
+            out.append(run(item))
         except Exception as exc:  # the engine's refusal is the answer
             out.append({"error": f"{type(exc).__name__}: {exc}"})
     sys.stdout.write(json.dumps(out))

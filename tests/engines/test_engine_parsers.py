@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from spectune.autotune.acceptance import AcceptanceError
+from spectune.autotune.acceptance_sources import metrics_model
 from spectune.autotune.export import export_schedule, schedule_from_table
 from spectune.runtime.table import read_table
 
@@ -65,3 +68,18 @@ def test_sglang_routes_every_batch_to_the_policy_k_with_the_emitted_flags():
         wants.append(_want(schedule))
     got = _run("sglang", items)
     assert got == wants
+
+
+def test_vllm_own_metrics_while_k_varies_exact_or_refused():
+    rates = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6]
+    true = np.cumprod(rates)
+    by_phase, cycling = _run("vllm", [
+        {"fmt": "vllm-metrics", "rates": rates, "phases": [[7], [3], [1]], "steps": 300, "batch": 8, "seed": 0},
+        {"fmt": "vllm-metrics", "rates": rates, "phases": [[7, 3, 1]], "steps": 900, "batch": 8, "seed": 1},
+    ])
+    assert isinstance(by_phase, list) and isinstance(cycling, list), (by_phase, cycling)
+    texts = [(f"scrape-{i}", t) for i, t in enumerate(by_phase)]
+    got = np.array(metrics_model(texts, max_k=7).mean_survival(7))
+    assert np.all(np.abs(got / true - 1) < 0.05), got
+    with pytest.raises(AcceptanceError, match="not determined"):
+        metrics_model([(f"scrape-{i}", t) for i, t in enumerate(cycling)], max_k=7)
