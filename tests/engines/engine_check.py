@@ -81,6 +81,9 @@ def main():
         try:
             run = {"vllm": vllm_k, "sglang": sglang_k, "vllm-metrics": vllm_scrapes}[item["fmt"]]
             out.append(run(item))
+        except ModuleNotFoundError as exc:  # the install lacks a module the engine imports
+            sys.stdout.write(json.dumps({"missing": exc.name}))
+            return
         except Exception as exc:  # the engine's refusal is the answer
             out.append({"error": f"{type(exc).__name__}: {exc}"})
     sys.stdout.write(json.dumps(out))

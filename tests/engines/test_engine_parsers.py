@@ -29,7 +29,10 @@ def _run(engine, items):
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("engine_check.py"))], input=json.dumps(items),
                           capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+    out = json.loads(proc.stdout)
+    if isinstance(out, dict) and "missing" in out:
+        pytest.skip(f"{engine} in .engines/ cannot import {out['missing']}: add it to .ci/install-engines")
+    return out
 
 
 def _want(schedule):
