@@ -227,6 +227,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--acceptance", default=None,
                    help="curve:S1,S2,..., mixture:W*curve(...)+..., public:<drafter>/<target>/<dataset>, "
                         "metrics:FILE, FILE.jsonl (default: a published EAGLE-3 curve)")
+    p.add_argument("--scrape-every", type=float, default=None,
+                   help="with a vLLM metrics URL: scrape it every S seconds and read per-interval deltas "
+                        "(exact where each interval ran one K; docs/EXPORTS.md)")
+    p.add_argument("--scrape-for", type=float, default=None, help="with --scrape-every: poll for S seconds")
     p.add_argument("--out", required=True, help="policy table YAML path")
     p.add_argument("--objective", default="goodput", choices=["goodput", "energy", "latency"])
     p.add_argument("--latency-bound-ms", type=POSITIVE, default=None,
@@ -251,6 +255,24 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune)
 
 
+def _polled_acceptance(args: argparse.Namespace):
+    """--acceptance as given, or with --scrape-every/--scrape-for the model of a polled vLLM URL."""
+    if args.scrape_every is None and args.scrape_for is None:
+        return args.acceptance
+    from spectune.autotune.acceptance_sources import metrics_model, poll_scrapes, split_spec
+    from spectune.runtime.table import read_table
+
+    if args.scrape_every is None or args.scrape_for is None:
+        raise UsageError("--scrape-every and --scrape-for go together")
+    paths, model, ks = split_spec(args.acceptance or "")
+    if len(paths) != 1 or not paths[0].lower().startswith(("http://", "https://")):
+        raise UsageError("--scrape-every needs --acceptance http(s)://HOST:PORT/metrics (one URL)")
+    max_k = read_table(args.profile).workload.max_k
+    print(f"scraping {paths[0]} every {args.scrape_every:g} s for {args.scrape_for:g} s", file=sys.stderr)
+    texts = poll_scrapes(paths[0], every_s=args.scrape_every, for_s=args.scrape_for)
+    return metrics_model(texts, max_k=max_k, model=model, ks=ks)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectune.autotune.tune_pipeline import tune
     from spectune.errors import TableError
@@ -259,7 +281,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     profile = read_table(args.profile)
     _warn_profile(profile, f"the table written to {args.out} inherits it")
     try:
-        res = tune(profile, args.acceptance, objective=args.objective,
+        res = tune(profile, _polled_acceptance(args), objective=args.objective,
                    capture_budget_mib=args.capture_budget_mib, capture_seconds=args.capture_seconds,
                    latency_bound_ms=args.latency_bound_ms, trials=args.trials, seed=args.seed,
                    pareto=args.pareto, max_batch=args.max_batch, smooth=args.smooth, online=args.search_online,
@@ -335,32 +357,74 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="turn a policy table into an engine's config")
+    p = sub.add_parser("export", help="turn a policy table into an engine's config and server flags",
+                       description="Write the engine's config file (stdout or --out) and print the server "
+                                   "flags that go with it on stderr (docs/EXPORTS.md).")
     p.add_argument("policy", help="policy table YAML from `spectune tune`")
     p.add_argument("--format", required=True, choices=["vllm", "sglang", "trtllm"],
-                   help="vllm: speculative_config JSON; sglang: --speculative-adaptive-config JSON; "
-                        "trtllm: speculative_config YAML (extra LLM API options)")
+                   help="vllm: --speculative-config JSON; sglang: --speculative-adaptive-config JSON; "
+                        "trtllm: extra LLM API options YAML")
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
-    p.add_argument("--drafter-model", default=None,
-                   help="drafter checkpoint to name in the config (vllm `model`, trtllm `speculative_model`)")
     p.add_argument("--method", default=None,
-                   help="speculative method to name in the config (vllm `method`, e.g. eagle3; "
-                        "trtllm `decoding_type`, e.g. Eagle)")
+                   help="speculative method, required: vllm ngram|eagle|eagle3|mtp|draft_model|...; "
+                        "sglang EAGLE|EAGLE3; trtllm eagle|eagle3|ngram|draft_model|mtp")
+    p.add_argument("--drafter-model", default=None,
+                   help="drafter checkpoint (vllm `model`, sglang --speculative-draft-model-path, trtllm "
+                        "`speculative_model`); required unless the method needs none (ngram, mtp)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="largest batch the engine runs: vllm --max-num-seqs (default 1024, vLLM's default on "
+                        "H100/H200), sglang's largest captured batch and trtllm max_batch_size (default: the "
+                        "policy's largest batch)")
+    p.add_argument("--engine-version", default=None,
+                   help="engine version whose rules to follow: vllm 0.33, sglang 0.5.23, trtllm upper|lower "
+                        "(draft_len_schedule key semantics of the newer / older code; default: the first)")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from spectune.autotune.export import export_table
+    from spectune.autotune.export import export_table, flags_line
     from spectune.io import atomic_write_text
     from spectune.runtime.table import read_table
 
     table = read_table(args.policy)
-    text = export_table(table, args.format, file=args.policy, method=args.method, model=args.drafter_model)
+    exp = export_table(table, args.format, file=args.policy, method=args.method, model=args.drafter_model,
+                       max_batch=args.max_batch, engine_version=args.engine_version, config_path=args.out)
     if args.out is None:
-        sys.stdout.write(text)
+        sys.stdout.write(exp.text)
     else:
-        atomic_write_text(args.out, text)
-        print(f"wrote {args.out} ({args.format})", file=sys.stderr)
+        atomic_write_text(args.out, exp.text)
+        print(f"wrote {args.out} ({args.format} {exp.engine_version})", file=sys.stderr)
+    print(f"server flags: {flags_line(exp)}", file=sys.stderr)
+    return 0
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit the profile's cost model to your engine's own benchmark results",
+                       description="Read vllm bench latency/serve and sglang bench_one_batch/bench_serving outputs, "
+                                   "rescale the cost model's weight-bound, per-token and drafter parts to them, "
+                                   "report the error on held-out points, write a profile for `spectune tune`.")
+    p.add_argument("profile", help="profile (or policy table) YAML")
+    p.add_argument("--engine-results", nargs="+", required=True,
+                   help="result files (FILE or FILE#batch=B&input=I&output=O for vllm bench latency)")
+    p.add_argument("--out", required=True, help="calibrated profile YAML")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from spectune.autotune.calibrate import calibrate_profile, read_engine_results
+    from spectune.runtime.table import read_table, write_table
+
+    table = read_table(args.profile)
+    points = [p for spec in args.engine_results for p in read_engine_results(spec)]
+    cal = calibrate_profile(table, points)
+    write_table(cal.table, args.out)
+    s = cal.scales
+    print(f"{len(points)} engine points; scales: weight-bound {s['weight']:.3f}, per-token {s['token']:.3f}, "
+          f"drafter {s['drafter']:.3f}" + ("" if any(p.k for p in points) else " (not calibrated: no K > 0 point)"))
+    (b_med, b_max), (a_med, a_max) = cal.error_before, cal.error_after
+    print(f"error on {cal.held_out} held-out points: median {a_med:.1%}, max {a_max:.1%} "
+          f"(uncalibrated: median {b_med:.1%}, max {b_max:.1%})")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -643,8 +707,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_simulate, _add_bench, _add_report,
-    _add_status,
+    _add_autotune, _add_profile, _add_tune, _add_show, _add_validate, _add_export, _add_calibrate, _add_simulate,
+    _add_bench, _add_report, _add_status,
 ]
 
 

@@ -10,13 +10,13 @@ vllm/v1/metrics/loggers.py; exposed with a ``_total`` suffix and a ``_created`` 
                                                 that 0-based position was accepted             c_i
 
 Fixed K (T == N * K): every step offered every position, so the survival is s_i = c_i / N exactly.
-Variable K (T < N * K: a policy or the drafter proposed fewer drafts in some steps): position i was
-offered only in the steps with K_step >= i, so c_i / N underestimates s_i, and the ratio
-c_i / c_{i-1} is biased too (it also counts the steps that stopped at i - 1). The offered counts are
-not exported; we estimate them with the least-spread K distribution that has the observed mean
-T / N (every step drafted floor(T/N) or ceil(T/N)), clamp them to >= c_i, take
-s_i = min(s_{i-1}, c_i / offered_i) and warn (AcceptanceWarning). Exact when K was fixed, close
-when few steps drafted short (drafts cut at the length limit, n-gram misses).
+Variable K (T < N * K: a dynamic schedule ran several K): position i was offered only in the steps
+with K_step > i, and vLLM does not export those counts, so c_i / N underestimates s_i (a 7/3/1
+cycle reads -31 % on the mean). Offered counts are *determined* only where every draft of an
+interval had one length, or the interval mixed two known Ks (#ks=K1,K2: two equations, two
+unknowns). So a series of scrapes (files in time order, or a URL polled) is read as per-interval
+deltas; each interval must be determined, else the source is refused with one line saying what to
+feed instead (scrapes taken more often, the Ks the engine ran, or per-step traces).
 
 Traces: one JSON object per line,
     {"request": "r1", "step": 3, "offered": 5, "accepted": 2, "conf": [0.9, 0.7, 0.4, 0.3, 0.2]}
@@ -33,10 +33,11 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import time
 import urllib.error
 import urllib.request
-import warnings
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,6 @@ import numpy as np
 from spectune.autotune.acceptance import (
     AcceptanceError,
     AcceptanceModel,
-    AcceptanceWarning,
     Component,
     extend_conditional,
     survival_to_conditional,
@@ -71,15 +71,9 @@ MAX_POSITION = 1024  # per-position counters past this are not a draft length
 
 
 def _split_selector(spec: str) -> tuple[str, str | None]:
-    # "metrics:FILE#model=NAME" -> (FILE, NAME)
-    body = spec[len("metrics:"):] if spec.lower().startswith("metrics:") else spec
-    model = None
-    if "#" in body:
-        body, frag = body.rsplit("#", 1)
-        if not frag.startswith("model="):
-            raise AcceptanceError(f"{spec}: unknown selector #{frag} (use #model=NAME)")
-        model = frag[len("model="):]
-    return body, model
+    # "metrics:FILE#model=NAME" -> (FILE, NAME); several files stay comma-joined
+    paths, model, _ = split_spec(spec)
+    return ",".join(paths), model
 
 
 def _read_metrics_text(where: str) -> str:
@@ -209,43 +203,161 @@ def _labels(labels: dict) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
 
 
-def survival_from_counters(c: SpecCounters, where: str) -> tuple[list[float], str]:
-    """Survival s_1..s_K from the counters, and a note on how (module doc: fixed vs variable K)."""
-    n, t = c.drafts, c.draft_tokens
+def offered_counts(c: SpecCounters, where: str, ks: Sequence[int] | None = None) -> tuple[list[float], str]:
+    """How often each position was offered in one interval, where the counters determine it.
+
+    K = len(per_pos) (vLLM labels every position up to num_speculative_tokens). Determined when
+    every draft had the same length: T == N * K, or T / N equals the largest or the smallest of
+    the Ks the engine ran (``ks``: no mixture averages to an extreme), or, without ``ks``, T / N
+    is an integer and no position past it accepted anything (read as one K); and when the engine
+    ran two positive Ks, whose counts n_lo + n_hi = N, lo * n_lo + hi * n_hi = T solve exactly.
+    Anything else raises one line saying why and what to feed instead."""
+    n, t, k = c.drafts, c.draft_tokens, len(c.per_pos)
+    tol = 1e-6 * max(1.0, t)
     if n <= 0:
-        raise AcceptanceError(f"{where}: {METRIC_DRAFTS} is 0: no speculative steps were recorded")
-    k = len(c.per_pos)
+        return [0.0] * k, "no drafts"
+    if abs(t - n * k) <= tol:
+        return [n] * k, f"K={k}"
+    cands = sorted({int(x) for x in ks or () if 0 < int(x) <= k})
+    mean = t / n
+    mix: dict[int, float] | None = None
+    if cands and abs(mean - cands[-1]) * n <= tol:
+        mix = {cands[-1]: n}
+    elif cands and abs(mean - cands[0]) * n <= tol:
+        mix = {cands[0]: n}
+    elif not cands and abs(mean - round(mean)) * n <= tol and round(mean) >= 1 and \
+            all(ci == 0 for ci in c.per_pos[round(mean):]):
+        # one K = T/N: longer drafts mixed in would have had to fail within T/N positions, every one
+        mix = {round(mean): n}
+    elif len(cands) == 2:
+        lo, hi = cands
+        n_hi = (t - n * lo) / (hi - lo)
+        if -tol <= n_hi <= n + tol:
+            mix = {lo: n - n_hi, hi: n_hi}
+    if mix is None:
+        ran = f"the Ks it ran ({', '.join(map(str, cands))})" if cands else "a single K"
+        raise AcceptanceError(
+            f"{where}: drafts per step averaged {mean:.2f} of at most {k}, not {ran}; vLLM does not export how often "
+            "each position was offered, so the curve is not determined: scrape more often (--scrape-every) so each "
+            "interval stays in one batch-size range, name the Ks the engine ran (#ks=K1,K2: exact for two), or "
+            "feed per-step traces (JSONL)"
+        )
+    offered = [sum(cnt for kk, cnt in mix.items() if kk > i) for i in range(k)]
+    for i, (ci, off) in enumerate(zip(c.per_pos, offered, strict=True)):
+        if ci > off + tol:
+            raise AcceptanceError(f"{where}: position {i} accepted {ci:g} times but was offered only {off:g} "
+                                  f"times under Ks {sorted(mix)}: the Ks named do not match the counters")
+    note = f"K={next(iter(mix))}" if len(mix) == 1 else "Ks " + "/".join(f"{kk}x{cnt:g}" for kk, cnt in sorted(mix.items()))
+    return offered, note
+
+
+def survival_from_counters(c: SpecCounters, where: str, *, ks: Sequence[int] | None = None) -> tuple[list[float], str]:
+    """Survival s_1..s_K from one interval's counters and a note on how (see offered_counts)."""
+    return survival_from_intervals([c], where, ks=ks)
+
+
+def survival_from_intervals(intervals: Sequence[SpecCounters], where: str, *,
+                            ks: Sequence[int] | None = None) -> tuple[list[float], str]:
+    """s_i = sum of accepted_i / sum of offered_i over intervals, each interval's offered counts
+    determined exactly (offered_counts) or the whole series refused."""
+    if not intervals or sum(c.drafts for c in intervals) <= 0:
+        raise AcceptanceError(f"{where}: {METRIC_DRAFTS} did not grow: no speculative steps were recorded")
+    k = max(len(c.per_pos) for c in intervals)
     if k == 0:
         raise AcceptanceError(f"{where}: missing {METRIC_PER_POS}; per-position counts are needed")
-    if abs(t - n * k) <= 1e-9 * max(1.0, t):
-        return [min(1.0, ci / n) for ci in c.per_pos], f"K={k} fixed"
-    mean_k = t / n
-    offered = [n * min(1.0, max(0.0, mean_k - i)) for i in range(k)]  # least-spread estimate
+    accepted, offered, notes = [0.0] * k, [0.0] * k, []
+    for j, c in enumerate(intervals):
+        label = where if len(intervals) == 1 else f"{where}: interval {j + 1} of {len(intervals)}"
+        interval_offered, note = offered_counts(c, label, ks)
+        notes.append(note)
+        for i in range(len(c.per_pos)):
+            accepted[i] += c.per_pos[i]
+            offered[i] += interval_offered[i]
     survival, prev = [], 1.0
-    for ci, off in zip(c.per_pos, offered, strict=True):
-        off = max(off, ci)
-        s = min(prev, ci / off) if off > 0 else 0.0
-        survival.append(s)
-        prev = s
-    note = f"variable K: mean {mean_k:.2f} of {k}, offered counts estimated"
-    warnings.warn(
-        f"{where}: drafts per step varied (mean {mean_k:.2f} of max {k}); vLLM does not export how often "
-        "each position was offered, so those counts were estimated (see spectune.autotune.acceptance_sources)",
-        AcceptanceWarning,
-        stacklevel=3,
-    )
-    return survival, note
+    for ci, off in zip(accepted, offered, strict=True):
+        if off <= 0:
+            break  # never offered: extend_conditional continues the curve
+        prev = min(prev, ci / off)
+        survival.append(prev)
+    kinds = sorted({n for n in notes if n != "no drafts"})
+    if len(intervals) == 1:
+        return survival, f"{notes[0]} fixed" if notes[0].startswith("K=") else notes[0]
+    return survival, f"{len(intervals)} intervals: {', '.join(kinds)}"
+
+
+def counter_deltas(scrapes: Sequence[SpecCounters], where: str) -> list[SpecCounters]:
+    """Per-interval increments of consecutive scrapes; a counter that went down is refused."""
+    out = []
+    for j in range(1, len(scrapes)):
+        a, b = scrapes[j - 1], scrapes[j]
+        k = max(len(a.per_pos), len(b.per_pos))
+        pa = list(a.per_pos) + [0.0] * (k - len(a.per_pos))
+        pb = list(b.per_pos) + [0.0] * (k - len(b.per_pos))
+        d = SpecCounters(b.drafts - a.drafts, b.draft_tokens - a.draft_tokens, b.accepted - a.accepted,
+                         tuple(y - x for x, y in zip(pa, pb, strict=True)))
+        if min(d.drafts, d.draft_tokens, d.accepted, *d.per_pos) < 0:
+            raise AcceptanceError(f"{where}: scrape {j + 1}: a counter went down since scrape {j} (server restarted?); "
+                                  "feed scrapes of one server run")
+        out.append(d)
+    return out
+
+
+def split_spec(spec: str) -> tuple[list[str], str | None, list[int] | None]:
+    # "metrics:A.prom,B.prom#model=NAME&ks=7,3" -> ([A.prom, B.prom], NAME, [7, 3])
+    body = spec[len("metrics:"):] if spec.lower().startswith("metrics:") else spec
+    model, ks = None, None
+    if "#" in body:
+        body, frag = body.rsplit("#", 1)
+        for part in frag.split("&"):
+            if part.startswith("model="):
+                model = part[len("model="):]
+            elif part.startswith("ks="):
+                try:
+                    ks = [int(x) for x in part[len("ks="):].split(",") if x.strip()]
+                except ValueError:
+                    raise AcceptanceError(f"{spec}: #ks= must list integers, e.g. #ks=7,3") from None
+            else:
+                raise AcceptanceError(f"{spec}: unknown selector #{part} (use #model=NAME, #ks=K1,K2)")
+    return [p for p in body.split(",") if p], model, ks
+
+
+def metrics_model(texts: Sequence[tuple[str, str]], *, max_k: int, model: str | None = None,
+                  ks: Sequence[int] | None = None) -> AcceptanceModel:
+    """(where, exposition text) scrapes in time order -> acceptance. One scrape: counts since the
+    server started; several: the per-interval deltas (the first scrape is the baseline)."""
+    scrapes = [parse_vllm_metrics(text, where, model) for where, text in texts]
+    first = texts[0][0]
+    label_where = first if len(texts) == 1 else f"{first} .. {texts[-1][0]}"
+    intervals = scrapes if len(scrapes) == 1 else counter_deltas(scrapes, label_where)
+    survival, note = survival_from_intervals(intervals, label_where, ks=ks)
+    accept = extend_conditional(survival_to_conditional(survival), max_k)
+    name = Path(first).name if not first.lower().startswith("http") else first
+    label = f"vllm-metrics:{name}" + (f" +{len(texts) - 1} scrapes" if len(texts) > 1 else "") + \
+        (f"#model={model}" if model else "")
+    drafts = sum(c.drafts for c in intervals)
+    return AcceptanceModel(source=f"{label} ({int(drafts)} drafts, {note})", components=(Component(1.0, accept),),
+                           max_k=max_k)
+
+
+def poll_scrapes(url: str, *, every_s: float, for_s: float,
+                 sleep: Callable[[float], None] = time.sleep) -> list[tuple[str, str]]:
+    """Scrape ``url`` every ``every_s`` seconds for ``for_s`` seconds (at least two scrapes)."""
+    if every_s <= 0 or for_s < every_s:
+        raise AcceptanceError(f"{url}: need --scrape-every > 0 and --scrape-for >= --scrape-every")
+    count = int(for_s // every_s) + 1
+    out = []
+    for j in range(count):
+        if j:
+            sleep(every_s)
+        out.append((url, _read_metrics_text(url)))
+    return out
 
 
 def load_metrics(spec: str, *, max_k: int) -> AcceptanceModel:
-    where, model = _split_selector(spec)
-    counters = parse_vllm_metrics(_read_metrics_text(where), where, model)
-    survival, note = survival_from_counters(counters, where)
-    accept = extend_conditional(survival_to_conditional(survival), max_k)
-    name = Path(where).name if not where.lower().startswith("http") else where
-    label = f"vllm-metrics:{name}" + (f"#model={model}" if model else "")
-    source = f"{label} ({int(counters.drafts)} drafts, {note})"
-    return AcceptanceModel(source=source, components=(Component(1.0, accept),), max_k=max_k)
+    paths, model, ks = split_spec(spec)
+    if not paths:
+        raise AcceptanceError(f"{spec}: no scrape file or URL")
+    return metrics_model([(p, _read_metrics_text(p)) for p in paths], max_k=max_k, model=model, ks=ks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from spectune.autotune.acceptance import (
     EXTRAPOLATION_DECAY,
     AcceptanceError,
     AcceptanceModel,
-    AcceptanceWarning,
     Component,
     default_acceptance,
     load_acceptance,
@@ -192,15 +191,17 @@ def test_metrics_errors(tmp_path):
         load_acceptance("http://127.0.0.1:9/metrics", max_k=2)
 
 
-def test_metrics_variable_k_estimates_and_warns(tmp_path):
+def test_metrics_variable_k_refused_or_exact_with_two_ks(tmp_path):
     # 100 steps: 80 offered 3 drafts, 20 offered 2; true survival 0.8, 0.6, 0.4
     per_pos = [80, 60, 0.4 * 80]
     f = tmp_path / "var.prom"
     f.write_text(_scrape(per_pos, 100, 80 * 3 + 20 * 2, typed=True))
-    with pytest.warns(AcceptanceWarning, match="varied"):
-        m = load_acceptance(str(f), max_k=3)
+    with pytest.raises(AcceptanceError, match="averaged 2.80 of at most 3.*#ks=") as err:
+        load_acceptance(str(f), max_k=3)
+    assert "\n" not in str(err.value)
+    m = load_acceptance(f"metrics:{f}#ks=3,2", max_k=3)
     assert m.mean_survival(3) == pytest.approx([0.8, 0.6, 0.4])
-    assert "variable K" in m.source
+    assert "2x20/3x80" in m.source
 
 
 # ---------------------------------------------------------------------------------------------
