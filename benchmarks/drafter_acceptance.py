@@ -4,11 +4,12 @@ For each trace set (default: the suffix drafter's MT-Bench and HumanEval sets) t
 split as recorded (prompt i in file order -> split i % 2: even = calibration, odd = held-out):
 
 1. per-position acceptance P(draft j accepted | drafts < j accepted, j offered), both splits;
-2. calibration: a table fitted on the calibration split (``acceptance_sources.calibrate``),
-   reliability and ECE on the held-out split, raw and through that table;
+2. calibration: tables fitted on the calibration split (``acceptance_sources.calibrate``; one
+   over all positions, and one per draft position), reliability and ECE on the held-out split,
+   raw and through the tables;
 3. acceptance only (no costs), held-out requests replayed at concurrency 1, 16, 64, 128
    (``autotune.allocation_replay``): fixed K5, fixed K7, and max K 7 with a verify budget of
-   5 drafts per request allocated by (a) calibrated confidences, (b) per-request history from
+   5 drafts per request allocated by (a) confidences through the per-position tables, (b) per-request history from
    the calibration split's population rates, (c) uniform water filling. 95% intervals: bootstrap
    over held-out prompts (resampled with replacement, paired across policies).
 
@@ -57,13 +58,13 @@ def per_position(reqs: list[RequestSteps]) -> list[float | None]:
     return out
 
 
-def run_policies(reqs: list[RequestSteps], b: int, table: Any, rates: np.ndarray, seed: int) -> dict[str, ReplayResult]:
+def run_policies(reqs: list[RequestSteps], b: int, tables: Any, rates: np.ndarray, seed: int) -> dict[str, ReplayResult]:
     rounds = max(1, math.ceil(2 * b / len(reqs)))  # enough requests to keep the batch full
     common = {"concurrency": b, "rounds": rounds, "seed": seed}
     return {
         "K5": replay(reqs, policy="fixed", k=5, **common),
         "K7": replay(reqs, policy="fixed", k=K, **common),
-        "confidence": replay(reqs, policy="confidence", k=K, per_request=BUDGET, calibration=table,
+        "confidence": replay(reqs, policy="confidence", k=K, per_request=BUDGET, position_calibration=tables,
                              **common),
         "history": replay(reqs, policy="history", k=K, per_request=BUDGET, rates=rates, **common),
         "uniform": replay(reqs, policy="uniform", k=K, per_request=BUDGET, **common),
@@ -77,10 +78,12 @@ def interval(values: list[float]) -> list[float]:
 def analyse(path: Path, boot: int, seed: int) -> dict[str, Any]:
     reqs = request_steps(read_traces(path), K)
     calib, held = split(reqs)
-    c_conf, c_ok, _ = verified_samples(calib)
+    c_conf, c_ok, c_pos = verified_samples(calib)
     table = calibrate(c_conf, c_ok)
+    by_pos = [calibrate(c_conf[c_pos == j], c_ok[c_pos == j]) or table for j in range(1, K + 1)]
     h_conf, h_ok, h_pos = verified_samples(held)
-    t_conf, _, _ = verified_samples(held, table=table)
+    one_conf, _, _ = verified_samples(held, table=table)
+    t_conf, _, _ = verified_samples(held, position_tables=by_pos)
     rates = population_rates(calib, K)
     out: dict[str, Any] = {
         "file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
@@ -88,8 +91,10 @@ def analyse(path: Path, boot: int, seed: int) -> dict[str, Any]:
         "steps": {"calibration": int(sum(len(r.offered) for r in calib)), "held_out": int(sum(len(r.offered) for r in held))},
         "per_position": {"calibration": per_position(calib), "held_out": per_position(held)},
         "calibration_table": [list(row) for row in table] if table else None,
+        "calibration_tables_by_position": [[list(row) for row in t] if t else None for t in by_pos],
         "population_rates": [round(float(x), 4) for x in rates],
-        "ece_held_out": {"raw": round(ece(h_conf, h_ok), 4), "calibrated": round(ece(t_conf, h_ok), 4)},
+        "ece_held_out": {"raw": round(ece(h_conf, h_ok), 4), "one_table": round(ece(one_conf, h_ok), 4),
+                         "calibrated": round(ece(t_conf, h_ok), 4)},
         "reliability_held_out": {
             name: [vars(r) for r in reliability(c, h_ok)] for name, c in (("raw", h_conf), ("calibrated", t_conf))
         },
@@ -100,12 +105,12 @@ def analyse(path: Path, boot: int, seed: int) -> dict[str, Any]:
     }
     rng = np.random.default_rng(seed)
     for b in CONCURRENCY:
-        point = run_policies(held, b, table, rates, seed)
+        point = run_policies(held, b, by_pos, rates, seed)
         draws: dict[str, list[float]] = {p: [] for p in POLICIES}
         ratios: dict[str, list[float]] = {p: [] for p in POLICIES}
         for _ in range(boot):
             sample = [held[i] for i in rng.integers(0, len(held), len(held))]
-            got = run_policies(sample, b, table, rates, seed)
+            got = run_policies(sample, b, by_pos, rates, seed)
             for p in POLICIES:
                 draws[p].append(got[p].mean_accept_len)
                 ratios[p].append(got[p].mean_accept_len / got["K5"].mean_accept_len)
@@ -125,7 +130,8 @@ def markdown(name: str, r: dict[str, Any]) -> str:
              f"{r['steps']['calibration']} / {r['steps']['held_out']} steps", "",
              "| split | " + " | ".join(f"pos {j}" for j in range(1, K + 1)) + " |",
              "|---|" + "---|" * K, f"| calibration | {posc} |", f"| held-out | {pos} |", "",
-             f"ECE on held-out: raw {r['ece_held_out']['raw']:.3f}, calibrated {r['ece_held_out']['calibrated']:.3f}", "",
+             f"ECE on held-out: raw {r['ece_held_out']['raw']:.3f}, one calibration table "
+             f"{r['ece_held_out']['one_table']:.3f}, a table per position {r['ece_held_out']['calibrated']:.3f}", "",
              "| conf bin | drafts (raw) | mean conf (raw) | accepted (raw) | drafts (cal.) | mean conf (cal.) | accepted (cal.) |",
              "|---|---|---|---|---|---|---|"]
     raw = {(round(x["lo"], 1)): x for x in r["reliability_held_out"]["raw"]}

@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 
 from spectune.errors import SpectuneError
-from spectune.models.trace_steps import RequestSteps, calibrated
+from spectune.models.trace_steps import RequestSteps, calibrated, calibrated_by_position
 from spectune.runtime.request_history import REQUEST_SHRINK, expected_accepts, request_confidences
 
 Policy = Literal["fixed", "confidence", "history", "uniform"]
@@ -80,6 +80,7 @@ def water_fill(offered: np.ndarray, budget: int) -> np.ndarray:
 
 def replay(requests: Sequence[RequestSteps], *, policy: Policy, concurrency: int, k: int,
            per_request: float | None = None, calibration: Sequence[tuple[float, float]] | None = None,
+           position_calibration: Sequence[Sequence[tuple[float, float]] | None] | None = None,
            rates: Sequence[float] | None = None, rounds: int = 1, seed: int = 0,
            shrink: float = REQUEST_SHRINK) -> ReplayResult:
     """Replay ``requests`` under one policy (module doc). ``rates`` [K]: the population conditional
@@ -94,7 +95,10 @@ def replay(requests: Sequence[RequestSteps], *, policy: Policy, concurrency: int
         raise SpectuneError("requests: nothing to replay")
     rng = np.random.default_rng(seed)
     queue = [int(i) for _ in range(rounds) for i in rng.permutation(len(requests))]
-    conf = [calibrated(r.conf[:, :k], calibration) for r in requests]
+    if position_calibration is not None:
+        conf = [calibrated_by_position(r.conf[:, :k], position_calibration) for r in requests]
+    else:
+        conf = [calibrated(r.conf[:, :k], calibration) for r in requests]
     pop = np.asarray(rates[:k], dtype=float) if rates is not None else np.zeros(k)
     pop_cum = np.concatenate([[0.0], np.cumsum(pop)])  # [K + 1]
     slots = queue[:concurrency]

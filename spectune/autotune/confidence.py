@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spectune.models.trace_steps import RequestSteps, calibrated
+from spectune.models.trace_steps import RequestSteps, calibrated, calibrated_by_position
 
 RELIABILITY_BINS = 10
 CONFIDENCE_CLASSES = 6
@@ -38,13 +38,16 @@ class ReliabilityRow:
 
 
 def verified_samples(requests: Sequence[RequestSteps], k: int | None = None,
-                     table: Sequence[tuple[float, float]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     table: Sequence[tuple[float, float]] | None = None,
+                     position_tables: Sequence[Sequence[tuple[float, float]] | None] | None = None,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(conf [M], accepted [M] bool, position [M] 1-based) over every verified position with a
-    confidence (``table``: calibrate the confidences first)."""
+    confidence (``table``: calibrate the confidences first; ``position_tables``: one per position)."""
     conf, ok, pos = [], [], []
     for r in requests:
         kk = r.k if k is None else min(k, r.k)
-        c = calibrated(r.conf[:, :kk], table)
+        c = (calibrated_by_position(r.conf[:, :kk], position_tables) if position_tables is not None
+             else calibrated(r.conf[:, :kk], table))
         known = r.known[:, :kk] & ~np.isnan(c)
         conf.append(c[known])
         ok.append(r.right[:, :kk][known])

@@ -117,3 +117,12 @@ def calibrated(conf: np.ndarray, table: Sequence[tuple[float, float]] | None) ->
     probs = np.array([p for _, p in table], dtype=float)  # [T]
     idx = np.minimum(np.searchsorted(edges, np.nan_to_num(conf, nan=0.0), side="right"), len(edges) - 1)
     return np.where(np.isnan(conf), np.nan, probs[idx])
+
+
+def calibrated_by_position(conf: np.ndarray, tables: Sequence[Sequence[tuple[float, float]] | None]) -> np.ndarray:
+    """``calibrated`` with one table per draft position: column j of conf [S, K] through
+    tables[j] (the last table for columns past the list)."""
+    if not tables:
+        raise TraceStepsError("tables: need at least one calibration table")
+    cols = [calibrated(conf[:, j], tables[min(j, len(tables) - 1)]) for j in range(conf.shape[1])]
+    return np.stack(cols, axis=1) if cols else conf

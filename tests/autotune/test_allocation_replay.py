@@ -76,3 +76,11 @@ def test_budget_and_rates_are_required():
         replay(reqs, policy="uniform", concurrency=2, k=4)
     with pytest.raises(SpectuneError, match="rates"):
         replay(reqs, policy="history", concurrency=2, k=4, per_request=1)
+
+
+def test_position_calibration_ranks_by_per_position_tables():
+    reqs = request_steps(RECORDS, k=4)
+    # position 1 of "bad" (conf 0.3) is called certain; every other position impossible
+    tables = [((0.5, 1.0), (1.0, 0.0)), ((1.0, 0.0),)]
+    r = replay(reqs, policy="confidence", concurrency=2, k=4, per_request=0.5, position_calibration=tables)
+    assert r.emitted == 4  # the one granted draft per step goes to "bad" and is rejected

@@ -81,3 +81,13 @@ def test_calibrated_uses_the_bins_of_calibrate():
     assert out[:4].tolist() == [0.1, 0.1, 0.6, 0.6]
     assert math.isnan(out[4])
     assert calibrated(conf, None) is conf
+
+
+def test_calibrated_by_position_uses_one_table_per_column():
+    from spectune.models.trace_steps import calibrated_by_position
+
+    conf = np.array([[0.9, 0.9, 0.9]])
+    out = calibrated_by_position(conf, [((1.0, 0.2),), ((1.0, 0.7),)])
+    assert out.tolist() == [[0.2, 0.7, 0.7]]  # column 3 takes the last table
+    with pytest.raises(TraceStepsError, match="tables"):
+        calibrated_by_position(conf, [])
