@@ -128,6 +128,7 @@ def markdown(name: str, r: dict[str, Any]) -> str:
     posc = " | ".join("-" if x is None else f"{x:.3f}" for x in r["per_position"]["calibration"])
     lines = [f"### {name}: {r['requests']['calibration']} calibration / {r['requests']['held_out']} held-out prompts, "
              f"{r['steps']['calibration']} / {r['steps']['held_out']} steps", "",
+             "Conditional acceptance at draft position j: P(draft j right | drafts 1..j-1 right, j offered)", "",
              "| split | " + " | ".join(f"pos {j}" for j in range(1, K + 1)) + " |",
              "|---|" + "---|" * K, f"| calibration | {posc} |", f"| held-out | {pos} |", "",
              f"ECE on held-out: raw {r['ece_held_out']['raw']:.3f}, one calibration table "
