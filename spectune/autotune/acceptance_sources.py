@@ -25,7 +25,10 @@ position i is a *trial* when offered >= i and the first i - 1 drafts were accept
 when accepted >= i. A request's counts are fitted with a mixture of per-position Bernoulli classes
 by EM (1..4 classes, chosen by BIC); each class's rates get a small prior toward the pooled rates,
 so requests with few steps inform but do not dominate. Calibration: P(accept | confidence bin) over
-the offered positions that were reached, made monotone by pooling adjacent violators.
+the offered positions that were reached, made monotone by pooling adjacent violators. When every
+offered draft carries a ``conf``, the classes are groups of *steps* by their calibrated confidence
+instead, with rates from what those steps accepted (``spectune.autotune.confidence``): a
+budget ranked by the drafter's confidences is then a budget ranked by these classes.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from spectune.autotune.acceptance import (
     extend_conditional,
     survival_to_conditional,
 )
+from spectune.autotune.confidence import confidence_classes
 
 METRIC_DRAFTS = "vllm:spec_decode_num_drafts"
 METRIC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -372,6 +376,9 @@ class TraceCounts:
     conf: np.ndarray  # [M] drafter confidence of reached offered positions
     conf_accepted: np.ndarray  # [M] bool, was that position accepted
     steps: int
+    step_offered: np.ndarray | None = None  # [S] per step, in file order
+    step_accepted: np.ndarray | None = None  # [S]
+    step_conf: np.ndarray | None = None  # [S, max_k] raw conf, NaN where not offered or absent
 
 
 def _field_int(obj: dict, key: str, where: str, lo: int = 0) -> int:
@@ -398,6 +405,7 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
     succ: list[np.ndarray] = []
     conf: list[float] = []
     conf_ok: list[bool] = []
+    step_rows: list[tuple[int, int, list[float] | None]] = []
     steps = 0
     try:
         fh = _open_text(path)
@@ -449,9 +457,15 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
             for j in range(min(accepted + 1, offered)):
                 conf.append(float(confs[j]))
                 conf_ok.append(j < accepted)
+        step_rows.append((offered, accepted, confs))
         steps += 1
     if steps == 0:
         raise AcceptanceError(f"{path}: no trace records")
+    step_conf = np.full((steps, max_k), np.nan)
+    for s, (offered, _, confs) in enumerate(step_rows):
+        if confs is not None:
+            n = min(offered, max_k)
+            step_conf[s, :n] = np.asarray(confs[:n], dtype=float)
     return TraceCounts(
         requests=tuple(index),
         trials=np.array(trials),
@@ -459,6 +473,9 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
         conf=np.array(conf),
         conf_accepted=np.array(conf_ok, dtype=bool),
         steps=steps,
+        step_offered=np.array([r[0] for r in step_rows], dtype=np.int64),
+        step_accepted=np.array([r[1] for r in step_rows], dtype=np.int64),
+        step_conf=step_conf,
     )
 
 
@@ -542,12 +559,45 @@ def calibrate(conf: np.ndarray, accepted: np.ndarray, bins: int = CALIBRATION_BI
 
 
 def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
+    """Traces with a confidence on every offered draft: classes of steps by calibrated confidence
+    (``spectune.autotune.confidence``); otherwise the per-request Bernoulli mixture."""
     path = spec[len("traces:"):] if spec.lower().startswith("traces:") else spec
     counts = read_traces(path, max_k=max_k)
     seen = np.nonzero(counts.trials.sum(0) > 0)[0]
     if seen.size == 0:
         raise AcceptanceError(f"{path}: no step offered any draft")
     depth = int(seen[-1]) + 1  # positions with data
+    calibration = calibrate(counts.conf, counts.conf_accepted)
+    n_req = len(counts.requests)
+    if calibration is not None and _conf_on_every_draft(counts):
+        comps = _confidence_components(counts, depth, max_k, calibration)
+        source = (f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes of "
+                  f"steps by drafter confidence through a {len(calibration)}-bin calibration table)")
+    else:
+        comps = _request_components(counts, depth, max_k)
+        source = f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes)"
+    return AcceptanceModel(source=source, components=tuple(comps), max_k=max_k, calibration=calibration)
+
+
+def _conf_on_every_draft(counts: TraceCounts) -> bool:
+    assert counts.step_offered is not None and counts.step_conf is not None
+    cols = np.arange(counts.step_conf.shape[1])[None, :]
+    offered = cols < counts.step_offered[:, None]
+    return bool(offered.any()) and not bool(np.isnan(counts.step_conf[offered]).any())
+
+
+def _confidence_components(counts: TraceCounts, depth: int, max_k: int,
+                           calibration: tuple[tuple[float, float], ...]) -> list[Component]:
+    assert counts.step_offered is not None and counts.step_accepted is not None and counts.step_conf is not None
+    weights, survival = confidence_classes(counts.step_offered, counts.step_accepted, counts.step_conf,
+                                           depth, calibration)
+    comps = [Component(float(w), extend_conditional(survival_to_conditional(list(s)), max_k))
+             for w, s in zip(weights, survival, strict=True)]
+    comps.sort(key=lambda c: -sum(c.survival(max_k)))  # easiest class first
+    return comps
+
+
+def _request_components(counts: TraceCounts, depth: int, max_k: int) -> list[Component]:
     fit = fit_mixture(counts.trials[:, :depth], counts.successes[:, :depth])
     comps = [
         Component(float(w), extend_conditional([float(a) for a in rates], max_k))
@@ -556,11 +606,4 @@ def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
     total = sum(c.weight for c in comps)
     comps = [Component(c.weight / total, c.accept) for c in comps]
     comps.sort(key=lambda c: -sum(c.survival(max_k)))  # easiest class first
-    n_req = len(counts.requests)
-    source = f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes)"
-    return AcceptanceModel(
-        source=source,
-        components=tuple(comps),
-        max_k=max_k,
-        calibration=calibrate(counts.conf, counts.conf_accepted),
-    )
+    return comps

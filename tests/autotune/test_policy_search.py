@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from spectune.autotune.acceptance import AcceptanceModel
@@ -101,6 +103,26 @@ def test_cli_tune(tmp_path, capsys):
     rc = main(["tune", str(prof), "--acceptance", "nonsense", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "acceptance" in err
+
+
+def test_cli_tune_says_it_uses_drafter_confidences(tmp_path, capsys):
+    prof = tmp_path / "profile.yaml"
+    write_table(_profile(KNEE, 8, 4), prof)
+    traces = tmp_path / "t.jsonl"
+    lines = []
+    for r in range(4):
+        for step in range(10):
+            hit = step % 2 == 0  # confident steps accept everything, the others nothing
+            lines.append(json.dumps({"request": f"r{r}", "step": step, "offered": 4, "accepted": 4 if hit else 0,
+                                     "conf": [0.9] * 4 if hit else [0.1] * 4}))
+    traces.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "policy.yaml"
+    assert main(["tune", str(prof), "--acceptance", str(traces), "--out", str(out), "--trials", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "classes of steps by drafter confidence" in printed
+    assert "drafter confidences: calibration P(accept | conf bin) <0.2:0.00" in printed
+    tuned = AcceptanceModel.from_dict(read_table(out).acceptance)
+    assert sorted(round(c.survival(1)[0], 6) for c in tuned.components)[::len(tuned.components) - 1] == [0.0, 1.0]
 
 
 HETERO = AcceptanceModel.mixture_with_same_mean([0.78, 0.58, 0.43, 0.31, 0.21, 0.14, 0.1], max_k=7, spread=0.9)

@@ -32,6 +32,7 @@ from spectune.models.specdecode import (  # noqa: E402
     trace_records,
     write_traces,
 )
+from spectune.models.suffix_drafter import SuffixDrafter  # noqa: E402
 
 VOCAB = 64
 EOS = 2
@@ -59,9 +60,17 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for length in lengths]
 
 
-@pytest.mark.parametrize("which, k", [("ngram", 0), ("ngram", 4), ("self-spec", 4)])
+def make_drafter(which, model):
+    if which == "ngram":
+        return NgramDrafter()
+    if which == "suffix":
+        return SuffixDrafter(depth=8, max_match=4)
+    return EarlyExitDrafter(model, layers=1)
+
+
+@pytest.mark.parametrize("which, k", [("ngram", 0), ("ngram", 4), ("suffix", 4), ("self-spec", 4)])
 def test_speculative_output_equals_greedy_generate(model, which, k):
-    drafter = NgramDrafter() if which == "ngram" else EarlyExitDrafter(model, layers=1)
+    drafter = make_drafter(which, model)
     for prompt in random_prompts(3, seed=7):
         ref = greedy_reference(model, prompt, max_new_tokens=24, eos_token_id=EOS)
         res = speculative_generate(model, prompt, drafter, k=k, max_new_tokens=24, eos_token_id=EOS)
@@ -76,11 +85,15 @@ def test_speculative_output_equals_greedy_generate(model, which, k):
                 assert all(0.0 < c <= 1.0 for c in s.conf)
             elif which == "ngram":
                 assert s.conf is None
+            else:  # suffix: a conditional probability per offered draft
+                assert s.conf is not None and len(s.conf) == s.offered and all(0.0 < c < 1.0 for c in s.conf)
+        if which == "suffix":
+            drafter.remember(res.tokens)  # later prompts also draft from this output
 
 
-def test_both_drafters_accept_and_reject_somewhere(model):
+def test_every_drafter_accepts_and_rejects_somewhere(model):
     # the equality test above is only meaningful if drafts are both kept and thrown away
-    for drafter in (NgramDrafter(), EarlyExitDrafter(model, layers=1)):
+    for drafter in (NgramDrafter(), SuffixDrafter(depth=8, max_match=4), EarlyExitDrafter(model, layers=1)):
         steps = [s for p in random_prompts(3, seed=7)
                  for s in speculative_generate(model, p, drafter, k=4, max_new_tokens=24, eos_token_id=EOS).steps]
         assert any(s.accepted > 0 for s in steps), drafter.name
@@ -93,7 +106,7 @@ def test_eos_stops_generation(model):
     eos = free[5]  # a token greedy decoding emits: treat it as end of sequence
     ref = greedy_reference(model, prompt, max_new_tokens=24, eos_token_id=eos)
     assert ref == free[: free.index(eos) + 1]
-    for drafter in (NgramDrafter(), EarlyExitDrafter(model, layers=1)):
+    for drafter in (NgramDrafter(), SuffixDrafter(depth=8, max_match=4), EarlyExitDrafter(model, layers=1)):
         res = speculative_generate(model, prompt, drafter, k=4, max_new_tokens=24, eos_token_id=[eos])
         assert res.tokens == ref
 
