@@ -21,6 +21,7 @@ from spectune.cli_support import (
     TRIALS_MAX,
     BadArgument,
     Parser,
+    nonempty,
     number,
     one_line,
     show_lines,
@@ -39,11 +40,11 @@ class UsageError(Exception):
 
 def _add_workload_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--target", default=None,
+    g.add_argument("--target", default=None, type=nonempty,
                    help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a local "
                         "Hugging Face checkpoint folder (config.json gives the shapes); default tiny, "
                         "or the joined study's")
-    g.add_argument("--drafter", default=None,
+    g.add_argument("--drafter", default=None, type=nonempty,
                    help="eagle-<N>l (autoregressive EAGLE/MTP-style, N decoder layers) or "
                         "dflash-<N>l (parallel block drafter); default eagle-1l, or the joined study's")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")

@@ -50,6 +50,13 @@ def number(kind: type, lo: float | None = None, hi: float | None = None, *, lo_o
     return parse
 
 
+def nonempty(text: str) -> str:
+    """argparse type: a name that is not empty (an empty value is not the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 POSITIVE = number(float, 0.0, lo_open=True)
 SEED = number(int, 0, SEED_MAX)
 

@@ -31,7 +31,7 @@ def files(tmp_path):
     table = make_profile(make_params((5.0, 0.02, 64.0, 0.05, 30.0), (0.05, 0.4, 0.002), (0.02, 0.0001)),
                          make_workload(3, 8, context_len=64),
                          policy=make_policy([8, 16, 32], [Row((1, 4), 3, 12, tier=16), Row((5, 8), 2, 16, tier=32)],
-                                            ema=0.05, hysteresis=0.1))
+                                            window=256.0, margin=0.01))
     policy = tmp_path / "policy.yaml"
     write_table(table, policy)
     return tmp_path, profile, policy
@@ -133,7 +133,7 @@ def test_out_that_cannot_be_written(files, capsys, out):
     tmp, profile, policy = files
     target = str(tmp) if out == "folder" else out
     refused(capsys, ["tune", str(profile), "--out", target, "--trials", "2", "--no-progress"], target)
-    refused(capsys, ["export", str(policy), "--format", "vllm", "--out", target], target)
+    refused(capsys, ["export", str(policy), "--format", "vllm", "--method", "ngram", "--out", target], target)
     if out != "folder":
         refused(capsys, ["report", str(policy), "--out", out], out)
     assert not list(tmp.glob(".*.tmp"))

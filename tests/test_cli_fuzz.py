@@ -34,7 +34,7 @@ def _inputs() -> None:
     write_table(profile, PROFILE)
     policy = make_profile(profile.costs.model, profile.workload,
                           policy=make_policy([8, 16, 32], [Row((1, 4), 3, 12, tier=16), Row((5, 8), 2, 16, tier=32)],
-                                             ema=0.05, hysteresis=0.1))
+                                             window=256.0, margin=0.01))
     write_table(policy, POLICY)
     GARBAGE.write_bytes(b"schema: spectune/1\n\xff\x00 [unclosed: {\n")
     GARBAGE_JSON.write_bytes(b'{"rows": [{"concurrency": -1}]')

@@ -46,7 +46,7 @@ def small_table() -> Table:
                     "components": [{"weight": 0.5, "accept": [0.9, 0.8, 0.7]},
                                    {"weight": 0.5, "accept": [0.6, 0.5, 0.4]}]},
         policy=make_policy([8, 16, 32], [Row((1, 4), 3, 12, tier=16, gain=1.9), Row((5, 8), 2, 16, tier=32, gain=1.3)],
-                           ema=0.05, hysteresis=0.1, max_k=3, prior=[0.8, 0.7, 0.6]),
+                           window=256.0, margin=0.01, max_k=3, prior=[0.8, 0.7, 0.6]),
     )
 
 
