@@ -65,8 +65,6 @@ def test_report_on_what_autotune_wrote(readme_dir, autotune_run):
     assert (readme_dir / "report" / "report.md").exists() and (readme_dir / "report" / "report.html").exists()
 
 
-@pytest.mark.xfail(strict=False, reason="bench dies at concurrency >= 3 (IndexError in verify_attention_ref, "
-                                        "issue 14); the engine fix lands separately")
 def test_bench_then_report_at_the_default_concurrencies(readme_dir, autotune_run):
     assert main(["bench", "--policy", POLICY, "--out", "b.json", "--no-progress"]) == 0
     rows = json.loads((readme_dir / "b.json").read_text())["rows"]

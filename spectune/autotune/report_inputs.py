@@ -9,6 +9,7 @@ named ``auto*`` run the policy, every other arm is a baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -168,7 +169,7 @@ def _bench_rows(rows: Any, file: str, prefix: str = "rows") -> tuple[BenchRow, .
     if not isinstance(rows, list) or not rows:
         raise ReportError(file, prefix, "must be a non-empty list")
     out: list[BenchRow] = []
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[int, str, int | None]] = set()
     for i, row in enumerate(rows):
         path = f"{prefix}[{i}]"
         if not isinstance(row, dict):
@@ -179,11 +180,51 @@ def _bench_rows(rows: Any, file: str, prefix: str = "rows") -> tuple[BenchRow, .
             r = from_dict(BenchRow, _known(BenchRow, row), path)
         except TableError as exc:
             raise ReportError(file, exc.field, exc.reason) from None
-        if (r.concurrency, r.arm) in seen:
-            raise ReportError(file, path, f"duplicate row for concurrency {r.concurrency}, arm {r.arm!r}")
-        seen.add((r.concurrency, r.arm))
+        if (r.concurrency, r.arm, r.repeat) in seen:
+            what = f", repeat {r.repeat}" if r.repeat is not None else ""
+            raise ReportError(file, path, f"duplicate row for concurrency {r.concurrency}, arm {r.arm!r}{what}")
+        seen.add((r.concurrency, r.arm, r.repeat))
         out.append(r)
-    return tuple(out)
+    return _merge_repeats(out)
+
+
+_SUMMED = ("completed", "failed", "mismatches", "near_tie_mismatches", "hard_mismatches", "diverged_requests")
+
+
+def _merge_repeats(rows: list[BenchRow]) -> tuple[BenchRow, ...]:
+    """One row per (concurrency, arm): the repeats' mean of every measured number (counts
+    summed, k_hist and latency samples pooled, timed out if any repeat was)."""
+    groups: dict[tuple[int, str], list[BenchRow]] = {}
+    for r in rows:
+        groups.setdefault((r.concurrency, r.arm), []).append(r)
+    merged = []
+    for grp in groups.values():
+        if len(grp) == 1:
+            merged.append(grp[0])
+            continue
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(BenchRow):
+            vals = [getattr(r, f.name) for r in grp if getattr(r, f.name) is not None]
+            if f.name in ("concurrency", "arm", "throttle_reasons") or not vals:
+                continue
+            if f.name in _SUMMED:
+                fields[f.name] = sum(vals)
+            elif f.name == "k_hist":
+                hist: dict[str, int] = {}
+                for h in vals:
+                    for k, n in h.items():
+                        hist[k] = hist.get(k, 0) + n
+                fields[f.name] = hist
+            elif f.name == "itl_ms":
+                fields[f.name] = [x for v in vals for x in v]
+            elif f.name == "timed_out":
+                fields[f.name] = any(vals)
+            elif isinstance(vals[0], int | float) and not isinstance(vals[0], bool):
+                mean = sum(vals) / len(vals)
+                fields[f.name] = round(mean) if isinstance(vals[0], int) else mean
+        fields["repeat"] = None
+        merged.append(dataclasses.replace(grp[0], **fields))
+    return tuple(merged)
 
 
 def _header(data: Any, file: str) -> dict[str, str]:
