@@ -76,14 +76,13 @@ from typing import Any, Literal
 
 from spectune.errors import SpectuneError, TableError
 from spectune.runtime.costs import CostModel
-from spectune.runtime.table import Row, Table, read_table
+from spectune.runtime.table import DEFAULT_ACCEPTANCE, Row, Table, read_table
 
 OnMismatch = Literal["warn", "refuse", "ignore"]
 SHRINK = 32.0  # pseudo-drafts at prior * drift per position in the online rate estimate
 DRIFT_SHRINK = 4.0  # pseudo-expected accepts at drift 1: with no evidence the estimate is the prior
 PHI_WEIGHT = 0.05  # weight of one decision's D^2 in the overdispersion estimate phi
 MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the change test runs
-DEFAULT_PRIOR = 0.7  # conditional acceptance per position when a table records no prior
 
 
 class PolicyMismatch(SpectuneError):
@@ -101,19 +100,16 @@ class Plan:
     tier: int | None  # captured token count replayed (>= batch + verify_budget); None = eager
 
 
-def row_budget(row: Row, batch: int, k: int | None = None) -> int:
-    """Verify budget of ``row`` at ``batch`` (with draft length ``k``, default the row's)."""
-    k = row.k if k is None else k
-    if k <= 0:
+def row_budget(row: Row, batch: int) -> int:
+    """Verify budget of ``row`` at ``batch``."""
+    if row.k <= 0:
         return 0
     if row.budget_mode == "fill-tier":
         assert row.tier is not None
         base = max(0, row.tier - batch)
     else:
         base = row.verify_budget
-    if k != row.k and row.k > 0:
-        base = round(min(batch * row.k, base) * k / row.k)  # the row's budget scaled with K
-    return max(0, min(batch * k, base))
+    return max(0, min(batch * row.k, base))
 
 
 def step_ms(cost: CostModel, batch: int, k: int, tier: int) -> float:
@@ -125,17 +121,6 @@ def step_ms(cost: CostModel, batch: int, k: int, tier: int) -> float:
 def smallest_tier(tiers: Sequence[int], tokens: int) -> int | None:
     i = bisect_left(tiers, tokens)
     return tiers[i] if i < len(tiers) else None
-
-
-def expected_tokens_uniform(accept: Sequence[float], batch: int, budget: int) -> float:
-    """Emitted tokens of ``batch`` like requests sharing ``budget`` drafts evenly:
-    b + b * sum(s_1..s_q) + r * s_{q+1},  q, r = divmod(budget, b),  s_i = prod(a_1..a_i)."""
-    q, r = divmod(budget, batch)
-    total, s = float(batch), 1.0
-    for i in range(min(q + 1, len(accept))):
-        s *= accept[i]
-        total += s * (batch if i < q else r)
-    return total
 
 
 class Planner:
@@ -156,7 +141,7 @@ class Planner:
         self.k_lo = self.online.min_k
         self.k_hi = self.online.max_k if self.online.max_k is not None else table.workload.max_k
         self.k_hi = max(self.k_hi, max(r.k for r in self.policy.rows), 1)
-        prior = list(self.online.prior) if self.online.prior else [DEFAULT_PRIOR] * self.k_hi
+        prior = list(self.online.prior) if self.online.prior else [DEFAULT_ACCEPTANCE] * self.k_hi
         self.prior = (prior + [prior[-1]] * self.k_hi)[: self.k_hi]
         self.clamped = 0
         self.uncaptured = 0

@@ -38,12 +38,12 @@ from spectune.kernels.allocate import allocate, allocate_ref
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.pack import PackedBatch, pack, pack_ref
 from spectune.kernels.stats import StatsCounters, StatsSnapshot
+from spectune.runtime.table import DEFAULT_ACCEPTANCE
 
 # target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttnMeta], torch.Tensor]
 
 
-DEFAULT_ACCEPTANCE = 0.7  # conditional acceptance assumed per position when no prior is given
 
 
 class StepError(SpectuneError):

@@ -38,6 +38,8 @@ from spectune.runtime.schema import (
 )
 
 SCHEMA = "spectune/1"
+# conditional acceptance per draft position assumed where no prior is given (planner, step)
+DEFAULT_ACCEPTANCE = 0.7
 
 # caps, each with its reason (the error names it)
 MAX_BATCH = 4096  # largest batch size a table covers (the planner keeps one entry per batch size)

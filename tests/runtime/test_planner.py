@@ -11,7 +11,6 @@ from spectune.runtime.planner import (
     PolicyMismatchWarning,
     _survival_sums,
     _tokens,
-    expected_tokens_uniform,
     load,
     step_ms,
 )
@@ -99,6 +98,17 @@ def best_plan(p: Planner, b: int, rate: float) -> Plan:
 
 
 TIERS_WIDE = [2, 4, 8, 16, 24, 32, 40]
+
+
+def expected_tokens_uniform(accept, batch, budget):
+    """Reference: b like requests sharing ``budget`` drafts evenly, position by position:
+    b + b * sum(s_1..s_q) + r * s_{q+1},  q, r = divmod(budget, b),  s_i = prod(a_1..a_i)."""
+    q, r = divmod(budget, batch)
+    total, s = float(batch), 1.0
+    for i in range(min(q + 1, len(accept))):
+        s *= accept[i]
+        total += s * (batch if i < q else r)
+    return total
 
 
 def test_tokens_o1_matches_the_uniform_formula_on_random_inputs():
