@@ -34,7 +34,9 @@ SOURCES = {
 }
 DRIFT = ("high", "low")  # the "drift" source: high for the first half of each run's requests, then low
 POLICY = "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml"
-PROMPTS = {1: 6, 16: 32, 64: 64, 256: 256}  # requests per concurrency (others: 2 waves)
+# requests per concurrency (others: 2 waves): at c >= 16 two or three waves, so the batch stays
+# full (rows == concurrency) for at least a wave -- the full-load window, ``full_tok_s``
+PROMPTS = {1: 6, 16: 48, 64: 128, 256: 320}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -83,19 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     except SpectuneError as exc:
         print(f"heldout_ab: error: {exc}", file=sys.stderr)
         return 2
-    print(f"{'source':>10} {'conc':>5} {'best other':>10} {'auto/best [95%]':>24} {'auto/plain [95%]':>24} "
-          f"{'timed out':>9}")
+    print(f"{'source':>10} {'conc':>5} {'metric':>8} {'best other':>10} {'auto/best [95%]':>24} "
+          f"{'auto/plain [95%]':>24} {'timed out':>9}")
     for name, res in zip(names, results, strict=True):
         timed_out = {}
         for a in res["summary"]["arms"]:
             timed_out[a["concurrency"]] = timed_out.get(a["concurrency"], 0) + a["timed_out"]
-        for r in res["summary"]["ratios"]:
-            print(f"{name:>10} {r['concurrency']:>5} {r['best_other']:>10} "
-                  f"{_ci(r['vs_best_other'], r['vs_best_other_ci95']):>24} "
-                  f"{_ci(r['vs_plain'], r['vs_plain_ci95']):>24} {timed_out.get(r['concurrency'], 0):>9}")
+        for key, label in (("summary_full_load", "full"), ("summary", "run")):
+            for r in res[key]["ratios"]:
+                print(f"{name:>10} {r['concurrency']:>5} {label:>8} {r['best_other']:>10} "
+                      f"{_ci(r['vs_best_other'], r['vs_best_other_ci95']):>24} "
+                      f"{_ci(r['vs_plain'], r['vs_plain_ci95']):>24} {timed_out.get(r['concurrency'], 0):>9}")
     (out / f"heldout_summary_{args.tag}.json").write_text(json.dumps(
-        {n: r["summary"] | {"acceptance": r["header"]["acceptance"],
-                             "tuned_acceptance": r["header"]["tuned_acceptance"]} for n, r in zip(names, results, strict=True)},
+        {n: {"full_load": r["summary_full_load"], "run": r["summary"], "acceptance": r["header"]["acceptance"],
+             "tuned_acceptance": r["header"]["tuned_acceptance"]} for n, r in zip(names, results, strict=True)},
         indent=1) + "\n")
     return 0
 

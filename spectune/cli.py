@@ -529,6 +529,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"(tuned on {head.get('tuned_acceptance')})")
     for line in _summary_lines(results.get("summary")):
         print(line)
+    full = results.get("summary_full_load") or {}
+    for r in full.get("ratios", []):
+        print(f"c={r['concurrency']} at full load (steps at concurrency {r['concurrency']}): auto / {r['best_other']} = "
+              f"{_ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}, auto / plain = "
+              f"{_ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}")
     hard = sum(r["hard_mismatches"] for r in results["rows"])
     ties = sum(r["near_tie_mismatches"] for r in results["rows"])
     if hard:
@@ -613,13 +618,15 @@ def _positive_ints(text: str, option: str) -> list[int]:
     return values
 
 
+def _ci(v: float | None, lo_hi: Sequence[float] | None, fmt: str) -> str:
+    return f"{v:{fmt}} [{lo_hi[0]:{fmt}}, {lo_hi[1]:{fmt}}]" if v is not None and lo_hi else "-"
+
+
 def _summary_lines(summary: dict | None) -> list[str]:
     """Means over repeats with 95 % intervals, timed-out runs, and auto / best other arm."""
     if not summary:
         return []
-
-    def ci(v, lo_hi, fmt):
-        return f"{v:{fmt}} [{lo_hi[0]:{fmt}}, {lo_hi[1]:{fmt}}]" if v is not None and lo_hi else "-"
+    ci = _ci
 
     lines = [f"{'conc':>5} {'arm':>9} {'runs':>4} {'decode tok/s mean [95% interval]':>36} {'timed out':>9}"]
     for a in summary["arms"]:

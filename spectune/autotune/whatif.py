@@ -7,6 +7,11 @@ tokens over seconds; ``simulate_table`` evaluates the cost model at the context 
 tuned for (``planner.cost.context_len``). Allocation ranks by each request's own history (``simulate``'s default);
 rates come from the policy's ``rates`` (the planner's live estimate) or ``prior``.
 
+``compare_open`` is the held-out habit's path (``tests/autotune/test_heldout.py``,
+``benchmarks/sim_heldout.py``): an open workload (a full batch, finished requests replaced at once)
+per concurrency, plain, every fixed K and auto over common-random-number seeds; ``heldout_sources``
+names the served sources a table tuned on the public curve is judged on.
+
 Arms (as in the bench): ``plain`` (K = 0), ``fixed:K`` (K drafts for every request, all verified),
 ``auto`` (a fresh planner per run, ``make_planner()``, so online state never leaks between runs).
 Default arms: plain, every fixed K 1..min(max_k, 7), the best fixed K by the simulator and its
@@ -20,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectune.autotune.acceptance import AcceptanceModel
+from spectune.autotune.acceptance import AcceptanceModel, load_acceptance
 from spectune.autotune.simulator import FixedK, PolicyFn, simulate
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
@@ -220,3 +225,68 @@ def _ratio_to_best_other(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         r["ratio_vs_best_other"] = (r["goodput_tok_s"] / max(others)
                                     if r["arm"] == "auto" and others and r["goodput_tok_s"] else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# held out: an open workload, every fixed K
+
+
+def _curve(f: Callable[[int], float], n: int = 15) -> str:
+    return ",".join(f"{f(i):.6f}" for i in range(1, n + 1))
+
+
+def heldout_sources() -> dict[str, tuple[str, str | None]]:
+    """name -> (acceptance, drift or None): every shipped trace set, a high (0.9^i) and a low
+    (0.55^i) curve, a drift from the high to the low one, a two-class mixture (0.85^i / 0.5^i)
+    and an extreme one (0.95^i / 0.35^i)."""
+    import importlib.resources
+
+    traces = importlib.resources.files("spectune").joinpath("data", "traces")
+    out: dict[str, tuple[str, str | None]] = {
+        p.name.split(".")[0]: (str(p), None) for p in sorted(traces.iterdir(), key=lambda p: p.name)
+        if p.name.endswith(".jsonl.gz")}
+    high, low = "curve:" + _curve(lambda i: 0.9 ** i), "curve:" + _curve(lambda i: 0.55 ** i)
+    out["high-0.9"], out["low-0.55"], out["drift"] = (high, None), (low, None), (high, low)
+    out["two-class"] = (f"mixture:0.5*curve({_curve(lambda i: 0.85 ** i)})+0.5*curve({_curve(lambda i: 0.5 ** i)})", None)
+    out["extreme-mixture"] = (f"mixture:0.5*curve({_curve(lambda i: 0.95 ** i)})+0.5*curve({_curve(lambda i: 0.35 ** i)})",
+                              None)
+    return out
+
+
+def compare_open(table: Any, acceptance: str, concurrency: Sequence[int], *, drift: str | None = None,
+                 fixed: Sequence[int] = range(1, FIXED_ARMS_MAX + 1), seeds: Sequence[int] = (0, 1),
+                 steps: int = 1200, steps_batch1: int | None = 4000,
+                 mean_output_tokens: float = 128.0) -> list[dict[str, Any]]:
+    """Per concurrency: goodput of plain, each fixed K and auto (a fresh planner per run) in an
+    open workload, the geometric mean over ``seeds`` (common random numbers: every arm sees the
+    same requests and draws); auto / the best other arm, auto / plain, auto's K histogram.
+    Batch 1 runs ``steps_batch1`` steps, so that as many requests finish as at larger batches."""
+    from spectune.runtime.planner import Planner
+
+    cost = CostModel.of(table)
+    ctx = table.policy.context_len if table.policy is not None else None
+    acc = load_acceptance(acceptance, max_k=table.workload.max_k)
+    second = load_acceptance(drift, max_k=table.workload.max_k) if drift else None
+    arms: list[tuple[str, Callable[[], Any]]] = [("plain", lambda: FixedK(0))]
+    arms += [(f"fixed:{k}", lambda k=k: FixedK(k)) for k in fixed]
+    arms.append(("auto", lambda: Planner(table)))
+    rows = []
+    for c in concurrency:
+        n_steps = steps_batch1 if c == 1 and steps_batch1 else steps
+        goodput: dict[str, float] = {}
+        auto_k: dict[int, int] = {}
+        for name, make in arms:
+            logs = []
+            for seed in seeds:
+                r = simulate(cost, acc, make(), concurrency=c, steps=n_steps, seed=seed, context_len=ctx,
+                             mean_output_tokens=mean_output_tokens, drift=second)
+                logs.append(math.log(r.goodput_tok_s))
+                if name == "auto":
+                    for k, n in r.k_hist.items():
+                        auto_k[k] = auto_k.get(k, 0) + n
+            goodput[name] = math.exp(sum(logs) / len(logs))
+        best = max((a for a in goodput if a != "auto"), key=goodput.__getitem__)
+        rows.append({"concurrency": c, "arms": goodput, "best_other": best,
+                     "auto_over_best": goodput["auto"] / goodput[best],
+                     "auto_over_plain": goodput["auto"] / goodput["plain"], "auto_k_hist": dict(sorted(auto_k.items()))})
+    return rows

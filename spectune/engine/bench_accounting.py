@@ -171,36 +171,37 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, 
     return mean, mean - half, mean + half
 
 
-def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per (concurrency, arm): decode tok/s over repeats (mean, 95 % interval, timed-out runs);
+def summarise(rows: Sequence[dict[str, Any]], metric: str = "decode_tok_s") -> dict[str, Any]:
+    """Per (concurrency, arm): ``metric`` over repeats (mean, 95 % interval, timed-out runs);
     per concurrency: auto / the best other arm (by mean) and auto / plain, each the mean and
-    interval of the per-repeat ratios (arms of one repeat share the acceptance draws)."""
+    interval of the per-repeat ratios (arms of one repeat share the acceptance draws).
+    ``metric``: ``decode_tok_s`` (every decode step of the run) or ``full_tok_s`` (the steps at
+    full concurrency: serving under load, without the closed run's ramp and drain)."""
     arms: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
     for r in rows:
         arms.setdefault((r["concurrency"], r["arm"]), {})[r.get("repeat", 0)] = r
     per_arm: list[dict[str, Any]] = []
     for (c, arm), runs in arms.items():
-        stat = mean_interval([x["decode_tok_s"] for x in runs.values() if x["decode_tok_s"]])
+        stat = mean_interval([x[metric] for x in runs.values() if x.get(metric)])
         per_arm.append({"concurrency": c, "arm": arm, "repeats": len(runs),
                         "timed_out": sum(bool(x.get("timed_out")) for x in runs.values()),
-                        "decode_tok_s": stat[0] if stat else None, "ci95": [stat[1], stat[2]] if stat else None})
+                        metric: stat[0] if stat else None, "ci95": [stat[1], stat[2]] if stat else None})
     ratios = []
     for c in sorted({c for c, _ in arms}):
         here: dict[str, dict[str, Any]] = {str(s["arm"]): s for s in per_arm if s["concurrency"] == c}
-        others = {a: s for a, s in here.items() if a != "auto" and s["decode_tok_s"]}
+        others = {a: s for a, s in here.items() if a != "auto" and s[metric]}
         if "auto" not in here or not others:
             continue
-        best = max(others, key=lambda a: others[a]["decode_tok_s"])
+        best = max(others, key=lambda a: others[a][metric])
         entry: dict[str, Any] = {"concurrency": c, "best_other": best}
         for name, base in (("vs_best_other", best), ("vs_plain", "plain")):
             pairs = [(arms[(c, "auto")][i], arms[(c, base)][i]) for i in arms[(c, "auto")]
                      if (c, base) in arms and i in arms[(c, base)]]
-            stat = mean_interval([a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs
-                                  if a["decode_tok_s"] and b["decode_tok_s"]])
+            stat = mean_interval([a[metric] / b[metric] for a, b in pairs if a.get(metric) and b.get(metric)])
             entry[name] = stat[0] if stat else None
             entry[f"{name}_ci95"] = [stat[1], stat[2]] if stat else None
         ratios.append(entry)
-    return {"arms": per_arm, "ratios": ratios}
+    return {"metric": metric, "arms": per_arm, "ratios": ratios}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +233,8 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: Run
         "arm": arm,
         "output_tok_s": res.tokens / res.seconds if res.seconds > 0 else 0.0,
         "decode_tok_s": res.decode_tok_s,
+        "full_tok_s": res.full_tok_s,
+        "full_share": res.full_ms / res.decode_ms if res.decode_ms > 0 else None,
         "itl_p50_ms": weighted_quantile(lat, wts, 0.50),
         "itl_p99_ms": weighted_quantile(lat, wts, 0.99),
         "ttft_ms": float(np.median(ttft)) if ttft else None,

@@ -276,6 +276,9 @@ class Engine:
                                      block_tables=self.state.block_tables, k_valid=k_valid)
             self._advance(run, out, n, it)
             run.decode_spans.append((step_mark, len(iter_marks)))
+            if n == concurrency:
+                run.full_spans.append(run.decode_spans[-1])
+                run.full_iterations.add(it)
             run.step_shapes.append((n, plan.k, out.tier))
             k_hist[plan.k] = k_hist.get(plan.k, 0) + 1
             tier_hist[out.tier] = tier_hist.get(out.tier, 0) + 1

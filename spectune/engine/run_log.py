@@ -121,6 +121,8 @@ class RunResult:
     itl_clean: list[bool] = field(default_factory=list)  # per itl entry: all its tokens before divergence
     decode_ms: float = 0.0  # time in decode/verify steps (prefill and admission left out)
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per step (batch, K, tier)
+    full_ms: float = 0.0  # decode time of the steps that ran a full batch (rows == concurrency)
+    full_tokens: int = 0  # tokens those steps emitted
 
     @property
     def mean_accept_len(self) -> float | None:
@@ -146,6 +148,13 @@ class RunResult:
     def decode_tok_s(self) -> float | None:
         return self.decode_tokens / self.decode_ms * 1e3 if self.decode_ms > 0 and self.itl_tokens else None
 
+    @property
+    def full_tok_s(self) -> float | None:
+        """Decode tok/s over the steps that ran at full concurrency: the server's throughput
+        under load, without the ramp and the drain of a closed run (where the batch shrinks to
+        the slowest requests and a K chosen for a full batch no longer applies)."""
+        return self.full_tokens / self.full_ms * 1e3 if self.full_ms > 0 and self.full_tokens else None
+
 
 @dataclass
 class RunLog:
@@ -160,6 +169,8 @@ class RunLog:
     itl: list[tuple[int, int]] = field(default_factory=list)  # (iteration, tokens)
     itl_clean: list[bool] = field(default_factory=list)
     decode_spans: list[tuple[int, int]] = field(default_factory=list)  # (step mark, next iteration mark)
+    full_iterations: set[int] = field(default_factory=set)  # iterations whose step ran a full batch
+    full_spans: list[tuple[int, int]] = field(default_factory=list)  # decode_spans of those steps
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)
     idle_rows: int = 0
     waits: int = 0
@@ -228,4 +239,6 @@ class RunLog:
             margins=self.margins, top1=self.top1, diverged_at=self.diverged_at, itl_clean=self.itl_clean,
             decode_ms=sum(marks.ms(a, iter_marks[b]) for a, b in self.decode_spans),
             step_shapes=self.step_shapes,
+            full_ms=sum(marks.ms(a, iter_marks[b]) for a, b in self.full_spans),
+            full_tokens=sum(n for i, n in self.itl if i in self.full_iterations),
         )

@@ -71,7 +71,8 @@ import os
 import warnings
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import add
 from typing import Any, Literal
 
 from spectune.errors import SpectuneError, TableError
@@ -100,6 +101,42 @@ class Plan:
     tier: int | None  # captured token count replayed (>= batch + verify_budget); None = eager
 
 
+@dataclass
+class OnlineState:
+    """Everything the controller learns while serving (``Planner.reset_online`` starts a fresh one;
+    ``snapshot_online``/``restore_online`` copy it). Per batch size: the current choice, the probe
+    shape, the observed step of the last decision. Per position: decayed counts of the slow
+    estimate (A/T) and of the change detector's fast window (Af/Tf), the counts observed since
+    they were last folded in (pa/pt, one block of ``decide_every`` steps), the estimate and its
+    bounds."""
+
+    choice: list[Plan]
+    probe: list[Plan | None]
+    decided_at: list[int]
+    A: list[float]
+    T: list[float]
+    Af: list[float]
+    Tf: list[float]
+    pa: list[float]
+    pt: list[float]
+    a: list[float]
+    lo: list[float]
+    hi: list[float]
+    drift: float = 1.0
+    phi: float = 1.0  # overdispersion of the acceptance counts (1 = binomial)
+    steps: int = 0  # observed steps
+    folded: int = 0  # observed steps already folded into A/T
+    since_probe: int = 0
+    last_batch: int | None = None
+    changes: int = 0  # change-detector resets
+    probes: int = 0  # probe steps run
+    clamped: int = 0  # batches above the table's range
+    uncaptured: int = 0  # batches above the largest tier
+
+    def copy(self) -> OnlineState:
+        return replace(self, **{f: list(v) for f, v in vars(self).items() if isinstance(v, list)})
+
+
 def row_budget(row: Row, batch: int) -> int:
     """Verify budget of ``row`` at ``batch``."""
     if row.k <= 0:
@@ -125,7 +162,7 @@ def smallest_tier(tiers: Sequence[int], tokens: int) -> int | None:
 
 class Planner:
     """Flat lookup ``batch -> Plan`` (the table's rows, then the controller's choices), plus the
-    online controller."""
+    online controller (its state: ``OnlineState``)."""
 
     def __init__(self, table: Table, *, file: str | os.PathLike[str] | None = None):
         if table.policy is None:
@@ -143,33 +180,12 @@ class Planner:
         self.k_hi = max(self.k_hi, max(r.k for r in self.policy.rows), 1)
         prior = list(self.online.prior) if self.online.prior else [DEFAULT_ACCEPTANCE] * self.k_hi
         self.prior = (prior + [prior[-1]] * self.k_hi)[: self.k_hi]
-        self.clamped = 0
-        self.uncaptured = 0
-        self.changes = 0  # change-detector resets
-        self.probes = 0  # probe steps run while a batch size was at K = 0
         self._build_lookup()
         # before any decision, a batch size the table runs at K = 0 probes K = 1 (full budget)
         self._first_probe: list[Plan | None] = [
             None if self._table[b].k else next((p for p, _ in reversed(self._cands[b]) if p.k == 1), None)
             for b in range(self.max_batch + 1)]
-        # online state (reset_online sets it): per batch the current choice and the probe shape;
-        # decayed counts per position (slow estimate A/T, fast window Af/Tf); rates and bounds
-        self._choice: list[Plan] = []
-        self._decided_at: list[int] = []  # observed step of each batch size's last decision
-        self._probe: list[Plan | None] = []
-        self._A: list[float] = []
-        self._T: list[float] = []
-        self._Af: list[float] = []
-        self._Tf: list[float] = []
-        self._a: list[float] = []
-        self._lo: list[float] = []
-        self._hi: list[float] = []
-        self.drift = 1.0
-        self.phi = 1.0  # overdispersion of the acceptance counts (1 = binomial)
-        self._steps = 0
-        self._since_probe = 0
-        self._last_batch: int | None = None
-        self.reset_online()
+        self._s = self._fresh_state()
 
     # -- load-time precomputation -------------------------------------------------------------
 
@@ -218,100 +234,130 @@ class Planner:
     # -- per step -------------------------------------------------------------------------------
 
     def plan(self, batch_size: int) -> Plan:
-        if batch_size != self._last_batch and 0 < batch_size <= self.max_batch \
-                and self._steps - self._decided_at[batch_size] >= self.online.decide_every:
+        s = self._s
+        if batch_size != s.last_batch and 0 < batch_size <= self.max_batch \
+                and s.steps - s.decided_at[batch_size] >= self.online.decide_every:
             self._decide(batch_size)  # a batch size reached again (or first) with a stale choice
-        self._last_batch = batch_size
+            # (on the estimate of the last fold: at most decide_every - 1 steps old)
+        s.last_batch = batch_size
         if 0 < batch_size <= self.max_batch:
-            probe = self._probe[batch_size]
+            probe = s.probe[batch_size]
             if probe is not None and self._probe_due():
                 return probe
-            return self._choice[batch_size]
+            return s.choice[batch_size]
         return self._plan_outside(batch_size)
 
     def _probe_due(self) -> bool:
+        s = self._s
         if not self.online.probe_every:
             return False
-        self._since_probe += 1
-        if self._since_probe < self.online.probe_every:
+        s.since_probe += 1
+        if s.since_probe < self.online.probe_every:
             return False
-        self._since_probe = 0
-        self.probes += 1
+        s.since_probe = 0
+        s.probes += 1
         return True
 
     def _plan_outside(self, batch_size: int) -> Plan:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.clamped += 1
-        last = self._choice[self.max_batch]
-        k = last.k
+        s = self._s
+        s.clamped += 1
+        k = s.choice[self.max_batch].k
         budget = max(0, min(batch_size * k, self.tiers[-1] - batch_size)) if k else 0
         tier = smallest_tier(self.tiers, batch_size + budget)
         if tier is None:
-            self.uncaptured += 1
+            s.uncaptured += 1
             return Plan(0, 0, None)
         return Plan(k if budget > 0 else 0, budget, tier)
 
     def observe(self, accepted_per_pos: Any, tested_per_pos: Any) -> None:
+        """Add one step's counters (a K = 0 step observes nothing: time still passes). The counts
+        are summed per block of ``decide_every`` steps and folded into the decayed estimate at
+        the block's end (host time: two list additions per step)."""
+        s = self._s
         acc = _host_list(accepted_per_pos)
         off = _host_list(tested_per_pos)
-        n = min(len(acc), len(off), self.k_hi)  # a K = 0 step observes nothing: time still passes
-        keep, fast = self._keep, self._keep_fast
-        pad = [0.0] * (self.k_hi - n)
-        acc = acc[:n] + pad
-        off = off[:n] + pad
-        self._A = [keep * x + a for x, a in zip(self._A, acc, strict=True)]
-        self._T = [keep * x + t for x, t in zip(self._T, off, strict=True)]
-        self._Af = [fast * x + a for x, a in zip(self._Af, acc, strict=True)]
-        self._Tf = [fast * x + t for x, t in zip(self._Tf, off, strict=True)]
-        self._steps += 1
-        if self._steps % self.online.decide_every:
-            return  # host time: estimate, test and decide every decide_every observed steps
-        self._estimate()
+        n = self.k_hi
+        if len(acc) != n or len(off) != n:  # counters of another width: cut or pad to k_hi
+            m = min(len(acc), len(off), n)
+            acc = acc[:m] + [0.0] * (n - m)
+            off = off[:m] + [0.0] * (n - m)
+        s.pa = list(map(add, s.pa, acc))
+        s.pt = list(map(add, s.pt, off))
+        s.steps += 1
+        if s.steps % self.online.decide_every:
+            return  # estimate, test and decide every decide_every observed steps
+        self._fold()
         if self._changed():  # forget the old traffic (its deep positions would stay stale) and
-            self.changes += 1  # its choices: back to the table until the new traffic is measured
+            s.changes += 1  # its choices: back to the table until the new traffic is measured
             self._reset_estimate()
-            self._choice = list(self._table)
-            self._probe = list(self._first_probe)
+            s.choice = list(self._table)
+            s.probe = list(self._first_probe)
         self._decide()
 
+    def _fold(self) -> None:
+        """Decay the counts by the steps since the last fold and add the block's counts (a block's
+        steps weigh alike: within ``decide_every`` steps the decay is at most a few per cent), then
+        re-estimate."""
+        s = self._s
+        m = s.steps - s.folded
+        if m <= 0:
+            return
+        g, gf = self._keep ** m, self._keep_fast ** m
+        s.A = [g * x + p for x, p in zip(s.A, s.pa, strict=True)]
+        s.T = [g * x + p for x, p in zip(s.T, s.pt, strict=True)]
+        s.Af = [gf * x + p for x, p in zip(s.Af, s.pa, strict=True)]
+        s.Tf = [gf * x + p for x, p in zip(s.Tf, s.pt, strict=True)]
+        s.pa, s.pt = [0.0] * self.k_hi, [0.0] * self.k_hi
+        s.folded = s.steps
+        self._estimate()
+
     def _estimate(self) -> None:
-        expect = sum(t * p for t, p in zip(self._T, self.prior, strict=True))
-        self.drift = (sum(self._A) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
-        z = self.online.z
-        for i in range(self.k_hi):
-            base = min(1.0, self.prior[i] * self.drift)
-            n = self._T[i] + SHRINK
-            a = (min(self._A[i], self._T[i]) + SHRINK * base) / n
-            se = math.sqrt(self.phi * max(a * (1.0 - a), 1e-4) / n)
-            self._a[i], self._lo[i], self._hi[i] = a, max(0.0, a - z * se), min(1.0, a + z * se)
+        s = self._s
+        expect = sum(t * p for t, p in zip(s.T, self.prior, strict=True))
+        drift = s.drift = (sum(s.A) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
+        z, phi, sqrt = self.online.z, s.phi, math.sqrt
+        rates, lows, highs = [], [], []
+        for A, T, p in zip(s.A, s.T, self.prior, strict=True):
+            base = p * drift
+            n = T + SHRINK
+            a = ((A if A < T else T) + SHRINK * (base if base < 1.0 else 1.0)) / n
+            v = a * (1.0 - a)
+            e = z * sqrt(phi * (v if v > 1e-4 else 1e-4) / n)
+            rates.append(a)
+            lows.append(a - e if a > e else 0.0)
+            highs.append(a + e if a + e < 1.0 else 1.0)
+        s.a, s.lo, s.hi = rates, lows, highs
 
     def _changed(self) -> bool:
         """Change test; also learns the overdispersion ``phi`` = E[D^2] of a stationary stream
         (requests differ, and a few requests in the window move the estimate more than binomial
         noise would: at batch 1 the window holds only a handful of them)."""
+        s = self._s
         e = v = 0.0
-        for t, a in zip(self._Tf, self._a, strict=True):
+        for t, a in zip(s.Tf, s.a, strict=True):
             e += t * a
             v += t * a * (1.0 - a)
-        if sum(self._Tf) < MIN_CHANGE_DRAFTS or v <= 0.0:
+        if sum(s.Tf) < MIN_CHANGE_DRAFTS or v <= 0.0:
             return False
-        d2 = (sum(self._Af) - e) ** 2 / v
-        if d2 > self.online.change_z ** 2 * self.phi:
+        d2 = (sum(s.Af) - e) ** 2 / v
+        if d2 > self.online.change_z ** 2 * s.phi:
             return True
-        self.phi = max(1.0, (1.0 - PHI_WEIGHT) * self.phi + PHI_WEIGHT * d2)
+        s.phi = max(1.0, (1.0 - PHI_WEIGHT) * s.phi + PHI_WEIGHT * d2)
         return False
 
     def _decide(self, b: int | None = None) -> None:
-        b = self._last_batch if b is None else b
+        s = self._s
+        b = s.last_batch if b is None else b
         if b is None or not 0 < b <= self.max_batch or not self._cands[b]:
             return
-        self._decided_at[b] = self._steps
-        cur = self._choice[b]
+        s.decided_at[b] = s.steps
+        cur = s.choice[b]
         cur_ms = next((ms for p, ms in self._cands[b] if p is cur or p == cur), None)
         if cur_ms is None:
             return
-        sums = [_survival_sums(r) for r in (self._lo, self._a, self._hi)]
+        sums = [_survival_sums(r) for r in (s.lo, s.a, s.hi)]
         cur_fac = self._fac[b][cur]
         tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]
         need = tok_cur[1] * (1.0 + self.online.margin) / cur_ms  # point-estimate goodput to beat
@@ -338,57 +384,80 @@ class Planner:
             if lb > best_lb:
                 best, best_lb = p, lb
         if best != cur:
-            self._choice[b] = best
-        self._probe[b] = probe if probe != best else None
+            s.choice[b] = best
+        s.probe[b] = probe if probe != best else None
+
+    # -- what the controller knows --------------------------------------------------------------
 
     @property
     def evidence(self) -> float:
         """Tested first-position drafts in the estimate (decayed count)."""
-        return self._T[0] if self._T else 0.0
+        return self._s.T[0] if self._s.T else 0.0
 
     @property
     def rates(self) -> list[float]:
         """Live estimate of the conditional acceptance per draft position [max_k] (the table's
         prior until evidence arrives): what the allocation ranks requests against."""
-        return list(self._a)
+        return list(self._s.a)
 
     @property
     def rate_bounds(self) -> tuple[list[float], list[float]]:
         """Lower and upper confidence bounds of ``rates``."""
-        return list(self._lo), list(self._hi)
+        return list(self._s.lo), list(self._s.hi)
+
+    @property
+    def drift(self) -> float:
+        """Pooled drift of the live acceptance over the table's prior (1 = as tuned)."""
+        return self._s.drift
+
+    @property
+    def phi(self) -> float:
+        return self._s.phi
+
+    @property
+    def changes(self) -> int:
+        return self._s.changes
+
+    @property
+    def probes(self) -> int:
+        return self._s.probes
+
+    @property
+    def clamped(self) -> int:
+        return self._s.clamped
+
+    @property
+    def uncaptured(self) -> int:
+        return self._s.uncaptured
 
     def choices(self) -> dict[int, Plan]:
         """Batch sizes whose plan the controller changed from the table's row, and the plan."""
-        return {b: p for b, p in enumerate(self._choice) if b and p != self._table[b]}
+        return {b: p for b, p in enumerate(self._s.choice) if b and p != self._table[b]}
 
-    def snapshot_online(self) -> dict[str, Any]:
-        """The controller's state (copies), for ``restore_online``."""
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items()
-                if k in _ONLINE_STATE}
+    def snapshot_online(self) -> OnlineState:
+        """A copy of the controller's state, for ``restore_online``."""
+        return self._s.copy()
 
-    def restore_online(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, list(v) if isinstance(v, list) else v)
+    def restore_online(self, state: OnlineState) -> None:
+        self._s = state.copy()
 
     def reset_online(self) -> None:
         """Forget the live estimate and every online choice: back to the table."""
-        self._choice = list(self._table)
-        self._probe = list(self._first_probe)
-        self._decided_at = [-self.online.decide_every] * (self.max_batch + 1)
+        self._s = self._fresh_state()
+
+    def _fresh_state(self) -> OnlineState:
+        self._s = OnlineState(
+            choice=list(self._table), probe=list(self._first_probe),
+            decided_at=[-self.online.decide_every] * (self.max_batch + 1),
+            A=[], T=[], Af=[], Tf=[], pa=[], pt=[], a=[], lo=[], hi=[])
         self._reset_estimate()
-        self._steps = 0
-        self._since_probe = 0
-        self._last_batch = None
+        return self._s
 
     def _reset_estimate(self) -> None:
-        n = self.k_hi
-        self._A, self._T, self._Af, self._Tf = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-        self._a, self._lo, self._hi = list(self.prior), [0.0] * n, [1.0] * n
+        s, n = self._s, self.k_hi
+        s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
+        s.folded = s.steps
         self._estimate()
-
-
-_ONLINE_STATE = ("_choice", "_probe", "_decided_at", "_A", "_T", "_Af", "_Tf", "_a", "_lo", "_hi", "drift", "phi", "_steps",
-                 "_since_probe", "_last_batch", "changes", "probes", "clamped", "uncaptured")
 
 
 def _calibration(f: Sequence[float], batch: int, budget: int) -> float:

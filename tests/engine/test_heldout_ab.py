@@ -14,7 +14,7 @@ def test_heldout_script_writes_one_results_file_per_source(tmp_path, capsys):
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "out"
     argv = ["--sources", "low,drift", "--out", str(out), "--policy", str(policy), "--concurrency", "1,2",
-            "--repeats", "2", "--prompt-len", "5", "--max-new-tokens", "6", "--prompts", "2", "--device", "cpu",
+            "--repeats", "2", "--prompt-len", "5", "--max-new-tokens", "6", "--prompts", "3", "--device", "cpu",
             "--tag", "cpu"]
     assert main(argv) == 0
     low = json.loads((out / "bench_heldout_low_cpu.json").read_text())
@@ -25,6 +25,13 @@ def test_heldout_script_writes_one_results_file_per_source(tmp_path, capsys):
         assert res["header"]["tuned_acceptance"] == "curve:0.8,0.6,0.45" and res["header"]["complete"]
         assert {r["repeat"] for r in res["rows"]} == {0, 1}
         assert {r["concurrency"] for r in res["summary"]["ratios"]} == {1, 2}
+        assert {r["concurrency"] for r in res["summary_full_load"]["ratios"]} == {1, 2}
+        assert res["summary_full_load"]["metric"] == "full_tok_s"
+        for r in res["rows"]:  # batch 1 is always full
+            assert (r["full_share"] == 1.0) if r["concurrency"] == 1 else (0 < r["full_share"] <= 1)
+            if r["concurrency"] == 2 and r["arm"] == "plain":  # 3 requests of one length: the third runs alone
+                assert r["full_share"] < 1
     table = capsys.readouterr().out
-    assert "auto/best" in table and table.count("drift") == 2
+    assert "auto/best" in table and table.count("drift") == 4  # per concurrency: full load, then the whole run
+    assert table.count(" full ") == table.count(" run ") == 4
     assert (out / "heldout_summary_cpu.json").exists()

@@ -165,7 +165,7 @@ def test_evidence_is_shared_across_batch_sizes():
     p = Planner(table)
     run(p, 2, 0.05, 1500)  # all the evidence from batch 2
     assert p.evidence > table.policy.online.min_evidence
-    assert p._choice[8].k == 4  # batch 8 has never run ...
+    assert p._s.choice[8].k == 4  # batch 8 has never run ...
     assert p.plan(8).k < 4  # ... its first plan decides from the pooled estimate
 
 
