@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from spectune.autotune.acceptance_sources import calibrate
+from spectune.autotune.acceptance_sources import position_tables
 from spectune.autotune.allocation_replay import ReplayResult, population_rates, replay
 from spectune.autotune.confidence import ece, reliability, verified_samples
 from spectune.io import atomic_write_text
@@ -78,9 +78,7 @@ def interval(values: list[float]) -> list[float]:
 def analyse(path: Path, boot: int, seed: int) -> dict[str, Any]:
     reqs = request_steps(read_traces(path), K)
     calib, held = split(reqs)
-    c_conf, c_ok, c_pos = verified_samples(calib)
-    table = calibrate(c_conf, c_ok)
-    by_pos = [calibrate(c_conf[c_pos == j], c_ok[c_pos == j]) or table for j in range(1, K + 1)]
+    table, by_pos = position_tables(calib, K)
     h_conf, h_ok, h_pos = verified_samples(held)
     one_conf, _, _ = verified_samples(held, table=table)
     t_conf, _, _ = verified_samples(held, position_tables=by_pos)

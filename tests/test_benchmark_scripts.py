@@ -27,3 +27,27 @@ def test_two_worker_profile_compare_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert res["common_points"] == res["points"][0] == res["points"][1]
     assert sum(res["workers_two"].values()) == res["points"][1]
     assert "grid + held-out point sets equal: True" in capsys.readouterr().out
+
+
+def test_seed_experiment_runs_on_cpu(tmp_path, capsys):
+    mod = load("seed_experiment_gpu")
+    assert mod.main(["--out-dir", str(tmp_path), "--device", "cpu", "--target", "tiny", "--datasets", "humaneval",
+                     "--concurrency", "2", "--prompts", "2", "--max-new-tokens", "6", "--prompt-len", "4",
+                     "--repeats", "2"]) == 0
+    res = json.loads((tmp_path / "seed_experiment_gpu.json").read_text())
+    assert res["header"]["complete"] and not res["errors"]
+    arms = {(r["arm"], r["repeat"]) for r in res["rows"] if r["dataset"] == "humaneval"}
+    assert arms == {(a, r) for a in mod.ARMS for r in (0, 1)}
+    assert all(r["completed"] == 2 and r["diverged_requests"] == 0 for r in res["rows"])
+    summary = {(s["arm"], s["concurrency"]): s for s in res["summary"]}
+    assert summary[("K5", 2)]["mean_accept_len_clean"][0] >= 1.0
+    assert "token replay of humaneval-suffix.jsonl.gz" in res["header"]["traces"]["humaneval"]
+    assert "### humaneval: decode goodput" in (tmp_path / "seed_experiment_gpu.md").read_text()
+    assert "| 2 |" in capsys.readouterr().out
+
+
+def test_seed_experiment_refuses_bad_options(tmp_path, capsys):
+    mod = load("seed_experiment_gpu")
+    assert mod.main(["--out-dir", str(tmp_path), "--datasets", "nope", "--device", "cpu"]) == 2
+    assert "--datasets" in capsys.readouterr().err
+    assert not (tmp_path / "seed_experiment_gpu.json").exists()

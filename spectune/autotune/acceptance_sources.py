@@ -53,7 +53,8 @@ from spectune.autotune.acceptance import (
     extend_conditional,
     survival_to_conditional,
 )
-from spectune.autotune.confidence import confidence_classes
+from spectune.autotune.confidence import confidence_classes, verified_samples
+from spectune.models.trace_steps import RequestSteps
 
 METRIC_DRAFTS = "vllm:spec_decode_num_drafts"
 METRIC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -557,6 +558,16 @@ def calibrate(conf: np.ndarray, accepted: np.ndarray, bins: int = CALIBRATION_BI
             merged.append([(r1 * w1 + r2 * w2) / (w1 + w2), w1 + w2, b1 + b2])
     return tuple(((b + 1) / bins, float(rate)) for rate, _, members in merged for b in members)
 
+
+Table = tuple[tuple[float, float], ...]
+
+
+def position_tables(requests: Sequence[RequestSteps], k: int) -> tuple[Table | None, list[Table | None]]:
+    """Calibration fitted on ``requests``' verified drafts: one table over all positions, and one
+    per draft position 1..k (a position without samples falls back to the one table)."""
+    conf, ok, pos = verified_samples(requests)
+    table = calibrate(conf, ok)
+    return table, [calibrate(conf[pos == j], ok[pos == j]) or table for j in range(1, k + 1)]
 
 def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
     """Traces with a confidence on every offered draft: classes of steps by calibrated confidence

@@ -67,6 +67,7 @@ from spectune.engine.bench_accounting import (
 )
 from spectune.engine.engine import KV_SLACK, Engine, Policy, Request, RunResult
 from spectune.engine.replay_drafter import ReplayDrafter
+from spectune.engine.trace_replay import TraceReplay, is_trace_source, load_trace_replay
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
 from spectune.kernels.attention import verify_attention_ref
@@ -106,6 +107,9 @@ BLOCK_SIZE = 16
 METHOD = ("replay drafter: random-weight target runs the real compute; drafts are each request's "
           "plain greedy continuation, kept per position with a sampled conditional acceptance "
           "(else a different token); the real drafter runs for its cost (docs/BENCH_METHOD.md)")
+METHOD_TOKENS = ("replay drafter, token by token: random-weight target runs the real compute; drafts are each "
+                 "request's plain greedy continuation, right/wrong, offered and confidence per draft position "
+                 "from a real drafter's trace; the real drafter runs for its cost (docs/BENCH_METHOD.md)")
 
 
 class BenchError(SpectuneError):
@@ -228,6 +232,7 @@ class Served:
     source: str
     arms: dict[int, tuple[str, ...]]
     out: str
+    tokens: TraceReplay | None = None  # a trace file served token by token (no drift)
 
 
 def resolve_served(config: BenchConfig, planner: Planner, acceptance: str | None, drift: str | None, out: str,
@@ -254,7 +259,8 @@ def resolve_served(config: BenchConfig, planner: Planner, acceptance: str | None
                             context_len=prompt_len + max_new // 2, seeds=range(config.seed, config.seed + reps),
                             drift=late, prior=tuned_prior(planner.table))
         arms[c] = bench_default_arms(max_k, best)
-    return Served(model, late, source, arms, out)
+    tokens = load_trace_replay(acceptance, max_k) if drift is None and is_trace_source(acceptance) else None
+    return Served(model, late, tokens.describe() if tokens else source, arms, out, tokens)
 
 
 def build(config: BenchConfig, planner: Planner, device: torch.device, concurrency: Sequence[int],
@@ -290,7 +296,7 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     prior = tuned_prior(table)
     replay = ReplayDrafter(max_requests=n_requests, max_len=max_new, max_k=max(max_k, 1),
                            vocab_size=args.vocab_size, device=device, cost_drafter=models.drafter,
-                           hidden=hidden, prior=prior)
+                           hidden=hidden, prior=prior, max_rows=max_batch)
     target = DecisiveLogits(models.target) if decisive_for(config, dtype) else models.target
     engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, [*fixed, 0]),
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
@@ -311,6 +317,18 @@ def draws(served: Served, n: int, max_k: int, max_new: int, seed: int, repeat: i
         rows[n // 2:] = widen(served.drift, max_k).sample(rng, n)[n // 2:, :max_k]
     return (torch.tensor(rows, dtype=torch.float32),
             torch.tensor(rng.random((n, max_new)), dtype=torch.float32))
+
+
+def load_replay(setup: Setup, served: Served, references: Sequence[Sequence[int]], max_new: int, seed: int,
+                repeat: int) -> None:
+    """One repeat's replay: the trace token by token (the drafter's confidences to the allocation
+    when it has them, else the requests' history), or sampled rates and coins."""
+    n = len(references)
+    if served.tokens is None:
+        setup.replay.load(references, *draws(served, n, setup.max_k, max_new, seed, repeat))
+        return
+    setup.replay.load_tokens(references, served.tokens.tables(n, max_new, seed, repeat))
+    setup.replay.set_allocation("confidence" if served.tokens.has_conf else "history")
 
 
 def decisive_for(config: BenchConfig, dtype: str) -> bool:
@@ -462,7 +480,7 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "gpu": hw.gpu, "driver": hw.driver, "policy": str(config.policy),
         "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
         "target": setup.target, "drafter": setup.drafter, "spectune": __version__, "torch": sw.torch,
-        "triton": sw.triton, "method": METHOD, "acceptance": served.source,
+        "triton": sw.triton, "method": METHOD_TOKENS if served.tokens else METHOD, "acceptance": served.source,
         "tuned_acceptance": tuned.get("source") if tuned else None, "drift": served.drift is not None,
         "repeats": config.repeats, "arms": {str(c): list(a) for c, a in served.arms.items()},
         "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
@@ -503,8 +521,7 @@ def _serve_all(setup: Setup, config: BenchConfig, served: Served, concurrency: S
                 references[c], _ = measure(setup, "plain", c, requests, None, None)
             plain = references[c]
             for r in range(config.repeats):
-                accept, coins = draws(served, len(requests), setup.max_k, max_new, config.seed, r)
-                setup.replay.load(plain.outputs, accept, coins)
+                load_replay(setup, served, plain.outputs, max_new, config.seed, r)
                 if r == 0 and "auto" in served.arms[c]:
                     train_online(setup, c, requests)
                 for arm in rotated(served.arms[c], r):

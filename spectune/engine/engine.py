@@ -10,7 +10,9 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
   plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
             ``rates`` (if any) go to a proposer with ``set_rates``
-  draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K))
+  draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K)); a
+            proposer with an ``offered`` row buffer (the replay drafter) caps each row's drafts
+            at what it proposed
   step      ``verifier.step(...)``: allocate, pack, target graph replay, greedy accept, stats
   advance   on the device: KV length and output count += emitted, last token = last emitted;
             a proposer with ``record_step`` (the replay drafter) adds the step's grants and
@@ -311,7 +313,9 @@ class Engine:
         s = self.state
         kv = s.k_valid[:n]
         torch.sub(s.max_new[:n], s.produced[:n], out=kv)  # remaining tokens
-        return kv.sub_(1).clamp_(0, k)
+        kv.sub_(1).clamp_(0, k)
+        offered = getattr(self.drafts.proposer, "offered", None)  # [>= n] int32: drafts it proposed
+        return kv if offered is None else torch.minimum(kv, offered[:n], out=kv)
 
     def _advance(self, run: RunLog, out: StepOutput, n: int, it: int) -> None:
         s = self.state

@@ -126,3 +126,82 @@ def calibrated_by_position(conf: np.ndarray, tables: Sequence[Sequence[tuple[flo
         raise TraceStepsError("tables: need at least one calibration table")
     cols = [calibrated(conf[:, j], tables[min(j, len(tables) - 1)]) for j in range(conf.shape[1])]
     return np.stack(cols, axis=1) if cols else conf
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-by-token tables: what a drafter hands out for a step that starts at a given output index
+
+
+@dataclass(frozen=True)
+class TokenTables:
+    """Per replayed request i and output index p, the drafter's answer for a step starting at p.
+
+    A recorded request's output indices are covered by its steps in order: step s starts at
+    ``start_s = sum_{t<s} (a_t + 1)`` and covers ``start_s .. start_s + a_s`` (the last one is
+    its bonus index). For p = start_s + i (0 <= i <= a_s) the step starting at p is step s
+    resumed at its draft i:
+
+        run[p]     = a_s - i                     consecutive right drafts from p
+        offered[p] = max(0, o_s - i)             drafts left of step s's proposal
+        conf[p, j] = c_s[i + j]  (i + j < o_s)   else 0
+
+    For i = 0 (a step that starts where the recording's did) this is the recorded step itself.
+    """
+
+    run: np.ndarray  # [R, L] int64
+    offered: np.ndarray  # [R, L] int64
+    conf: np.ndarray  # [R, L, K] float, 0 where not offered (and NaN confidences as 0)
+    requests: tuple[str, ...]  # [R] the recorded request each replayed request starts with
+
+
+def request_tokens(req: RequestSteps, conf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(run [T], offered [T], conf [T, K]) over one recorded request's output indices
+    (T = sum of a_s + 1; ``conf`` [S, K] replaces the recorded confidences, e.g. calibrated)."""
+    c = np.nan_to_num(req.conf if conf is None else conf, nan=0.0)  # [S, K]
+    k = req.k
+    runs, offers, confs = [], [], []
+    for s in range(len(req.offered)):
+        a, o = int(req.accepted[s]), int(req.offered[s])
+        i = np.arange(a + 1)
+        runs.append(a - i)
+        offers.append(np.maximum(0, o - i))
+        idx = i[:, None] + np.arange(k)[None, :]  # [a + 1, K] recorded position of draft j
+        padded = np.concatenate([c[s], np.zeros(k)])  # positions past K: not offered
+        confs.append(np.where(idx < o, padded[np.minimum(idx, 2 * k - 1)], 0.0))
+    return np.concatenate(runs), np.concatenate(offers), np.concatenate(confs, axis=0)
+
+
+def token_tables(requests: Sequence[RequestSteps], order: Sequence[int], n: int, length: int, *,
+                 offset: int = 1, conf: Sequence[np.ndarray] | None = None) -> TokenTables:
+    """Tables for ``n`` replayed requests over output indices 0..length-1. Replayed request i
+    plays the recorded requests ``order[i % N], order[(i + 1) % N], ...`` end to end (as many as
+    its length needs); recorded index 0 is output index ``offset`` (the bench's first output
+    token comes from the prefill, not from a step), indices before it offer nothing.
+    ``conf``: per recorded request [S, K], replacing its recorded confidences."""
+    if not requests or not len(order):
+        raise TraceStepsError("requests: nothing to replay")
+    if n < 1 or length < 1 or offset < 0:
+        raise TraceStepsError(f"n, length, offset: need n, length >= 1 and offset >= 0, got {n}, {length}, {offset}")
+    if conf is not None and len(conf) != len(requests):
+        raise TraceStepsError(f"conf: {len(conf)} arrays for {len(requests)} requests")
+    k = requests[0].k
+    per = {}
+    run = np.zeros((n, length), np.int64)
+    offered = np.zeros((n, length), np.int64)
+    cf = np.zeros((n, length, k))
+    need = max(0, length - offset)
+    for i in range(n):
+        parts, got, m = [], 0, 0
+        while got < need:
+            r = int(order[(i + m) % len(order)])
+            if r not in per:
+                per[r] = request_tokens(requests[r], None if conf is None else conf[r])
+            parts.append(per[r])
+            got += len(per[r][0])
+            m += 1
+        if parts:
+            run[i, offset:] = np.concatenate([p[0] for p in parts])[:need]
+            offered[i, offset:] = np.concatenate([p[1] for p in parts])[:need]
+            cf[i, offset:] = np.concatenate([p[2] for p in parts], axis=0)[:need]
+    names = tuple(requests[int(order[i % len(order)])].request for i in range(n))
+    return TokenTables(run, offered, cf, names)
