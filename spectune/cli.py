@@ -296,6 +296,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise TableError(exc.field, exc.reason, exc.file or args.profile) from None
     write_table(res.table, args.out)
     s = res.search
+    if res.batch_cap is not None:
+        print(f"out of memory in the profile: rows end at batch {res.batch_cap} (the largest batch measured to fit)",
+              file=sys.stderr)
+    if res.dropped_tiers:
+        print(f"out of memory in the profile: tiers {list(res.dropped_tiers)} left out (a step of that size did not "
+              f"fit)", file=sys.stderr)
     print(f"acceptance: {res.acceptance.source}")
     if res.acceptance.calibration is not None:
         cal = " ".join(f"<{e:g}:{p:.2f}" for e, p in res.acceptance.calibration)
