@@ -1,73 +1,78 @@
 """Two workers sharing one GPU vs one worker: the merged study must give the same profile.
 
-Runs the real command twice on one GPU, each with its own journal file:
+Runs the real command on one GPU, each run with its own journal file:
   1. ``spectune profile`` (one worker),
-  2. ``spectune profile --workers 2 --device cuda:0`` (two processes sharing the GPU, one study),
-then compares the two profiles: the point sets (grid and held-out points must be equal; adaptive
-rounds follow measured times, so they may differ), every common point's time, the fitted cost
-model's predictions over batch x q, duplicates, and who measured what (workers, GPU UUIDs).
-This checks correctness, not speed: two processes share one GPU, so some contention in their
-times is expected and shown. Prints a table; writes JSON to $OUT or benchmarks/results/.
+  2. ``spectune profile --workers 2 --device cuda:0`` (two processes sharing the GPU, one study;
+     the per-GPU timing lock on, as ``--timing-lock auto`` sets it on CUDA),
+  3. with ``--lock-off-too``: the same two workers with ``--timing-lock off`` (the contention the
+     lock removes),
+then compares each two-worker profile with the one-worker one: the point sets (grid and held-out
+points must be equal; adaptive rounds follow measured times, so they may differ), every common
+point's time, the fitted cost model's predictions over batch x q, duplicates, and who measured
+what (workers, GPU UUIDs). Prints a table; writes JSON to --out-dir ($OUT, else benchmarks/results).
 
-    python benchmarks/profile_two_workers.py                      # H200: qwen3-8b, batch 1-32, K <= 7 (< 5 min)
+    python benchmarks/profile_two_workers.py --batch-sizes 1-8 --max-k 3 --trials 2 --lock-off-too   # H200, ~2 min
     python benchmarks/profile_two_workers.py --device cpu --target tiny --batch-sizes 1-4 --max-k 2   # dry run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_runs import compare, fmt_pct, log, out_dir, run_profile, write_json  # noqa: E402
 
 
-def run_profile(folder: Path, label: str, args: argparse.Namespace, workers: int) -> dict[str, Any]:
-    out = folder / f"{label}.yaml"
-    cmd = [sys.executable, "-m", "spectune.cli", "profile", "--target", args.target, "--device", args.device,
-           "--batch-sizes", args.batch_sizes, "--max-k", str(args.max_k), "--trials", str(args.trials),
-           "--out", str(out), "--no-progress", "--workers", str(workers)]
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    return {"label": label, "workers": workers, "wall_s": round(time.perf_counter() - start, 1), "yaml": out,
-            "csv": out.with_suffix(".csv"), "command": " ".join(cmd)}
+def two_workers_vs_one(
+    folder: Path,
+    settings: dict[str, Any],
+    *,
+    lock_off_too: bool = False,
+    one: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One worker, two workers with the timing lock (and without it); each compared with one.
+    ``one``: a finished one-worker run of the same settings to reuse."""
+    one = one or run_profile(folder, "one", workers=1, **settings)
+    runs = {"one": one}
+    modes = ["on"] + (["off"] if lock_off_too else [])
+    res: dict[str, Any] = {"settings": settings}
+    for mode in modes:
+        label = f"two_lock_{mode}"
+        extra = [*settings.get("extra", ()), "--timing-lock", mode]
+        runs[label] = run_profile(folder, label, workers=2, **{**settings, "extra": extra})
+        res[label] = compare(one["yaml"], runs[label]["yaml"], one["csv"], runs[label]["csv"])
+    res["runs"] = {k: {n: v for n, v in r.items() if n not in ("stdout",)} for k, r in runs.items()}
+    return res
 
 
-def compare(one_yaml: Path, two_yaml: Path, one_csv: Path, two_csv: Path) -> dict[str, Any]:
-    """Point sets, per-point time ratios and model predictions of two profiles."""
-    from spectune.runtime.costs import CostModel
-    from spectune.runtime.table import read_table
-
-    a, b = pd.read_csv(one_csv), pd.read_csv(two_csv)
-    first = {"seed", "held_out"}
-    grid_a = set(a.loc[a["phase"].isin(first), "key"])
-    grid_b = set(b.loc[b["phase"].isin(first), "key"])
-    common = sorted(set(a["key"]) & set(b["key"]))
-    ms_a, ms_b = a.set_index("key")["ms"], b.set_index("key")["ms"]
-    rel = [abs(ms_b[k] / ms_a[k] - 1) for k in common if pd.notna(ms_a[k]) and pd.notna(ms_b[k]) and ms_a[k] > 0]
-    ta, tb = read_table(one_yaml), read_table(two_yaml)
-    wl = ta.workload
-    ma = CostModel(ta.costs.model, wl.drafter_kind, wl.context_len)
-    mb = CostModel(tb.costs.model, wl.drafter_kind, wl.context_len)
-    pred = [abs(mb.target_ms(bs * q, bs) / ma.target_ms(bs * q, bs) - 1)
-            for bs in range(1, wl.max_batch + 1) for q in range(1, wl.max_k + 2)]
-    return {
-        "grid_and_held_out_equal": grid_a == grid_b, "points": [len(a), len(b)], "common_points": len(common),
-        "duplicates": [int(a["key"].duplicated().sum()), int(b["key"].duplicated().sum())],
-        "point_rel_diff_median": statistics.median(rel) if rel else None,
-        "point_rel_diff_p90": sorted(rel)[int(0.9 * (len(rel) - 1))] if rel else None,
-        "model_target_rel_diff_median": statistics.median(pred), "model_target_rel_diff_max": max(pred),
-        "held_out_error": [ta.costs.error.median_rel, tb.costs.error.median_rel],
-        "workers_two": b["worker"].value_counts().to_dict(),
-        "gpu_uuids": sorted({str(u) for u in pd.concat([a["gpu_uuid"], b["gpu_uuid"]]).dropna()}),
-    }
+def print_table(res: dict[str, Any]) -> None:
+    log(
+        f"{'run':>13} {'wall s':>7} {'points':>6} {'dups':>4} {'grid eq':>7} {'pt med':>7} {'pt p90':>7} "
+        f"{'fit med':>7} {'fit max':>7} {'held-out':>9}"
+    )
+    one = res["runs"]["one"]
+    for label, r in res["runs"].items():
+        c = res.get(label)
+        if c is None:
+            log(f"{label:>13} {r['wall_s']:>7} {'-':>6}")
+            continue
+        log(
+            f"{label:>13} {r['wall_s']:>7} {c['points'][1]:>6} {c['duplicates'][1]:>4} "
+            f"{c['grid_and_held_out_equal']!s:>7} {fmt_pct(c['point_rel_diff_median']):>7} "
+            f"{fmt_pct(c['point_rel_diff_p90']):>7} {fmt_pct(c['model_target_rel_diff_median']):>7} "
+            f"{fmt_pct(c['model_target_rel_diff_max']):>7} {fmt_pct(c['held_out_error'][1]):>9}"
+        )
+    first = next((res[k] for k in res if k.startswith("two_lock_")), None)
+    if first is not None:
+        log(
+            f"one worker: {one['wall_s']} s, held-out error {fmt_pct(first['held_out_error'][0])}; "
+            f"one run's replay spread (p80-p20)/median: {fmt_pct(first['replay_spread_median'])}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,26 +82,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1-32")
     ap.add_argument("--max-k", type=int, default=7)
     ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument(
+        "--lock-off-too", action="store_true", help="also run two workers without the timing lock"
+    )
+    ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="spectune-two-workers-"))
-    one = run_profile(folder, "one", args, 1)
-    two = run_profile(folder, "two", args, 2)
-    res = compare(one["yaml"], two["yaml"], one["csv"], two["csv"])
-    print(f"{'run':>5} {'workers':>7} {'wall s':>7} {'points':>6}")
-    for r, n in ((one, res["points"][0]), (two, res["points"][1])):
-        print(f"{r['label']:>5} {r['workers']:>7} {r['wall_s']:>7} {n:>6}")
-    print(f"grid + held-out point sets equal: {res['grid_and_held_out_equal']}; duplicates {res['duplicates']}; "
-          f"two-worker split {res['workers_two']}")
-    print(f"common points {res['common_points']}: |two/one - 1| median {res['point_rel_diff_median']:.2%}, "
-          f"p90 {res['point_rel_diff_p90']:.2%}")
-    print(f"fitted target model over batch x q: median {res['model_target_rel_diff_median']:.2%}, "
-          f"max {res['model_target_rel_diff_max']:.2%}; held-out error {res['held_out_error']}")
-    dest = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    dest.mkdir(parents=True, exist_ok=True)
-    path = dest / "profile_two_workers.json"
-    res["runs"] = [{k: str(v) if isinstance(v, Path) else v for k, v in r.items()} for r in (one, two)]
-    path.write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {path}")
+    settings = {
+        "target": args.target,
+        "device": args.device,
+        "batch_sizes": args.batch_sizes,
+        "max_k": args.max_k,
+        "trials": args.trials,
+    }
+    res = two_workers_vs_one(
+        Path(tempfile.mkdtemp(prefix="spectune-two-workers-")),
+        settings,
+        lock_off_too=args.lock_off_too,
+    )
+    c = res["two_lock_on"]
+    log(
+        f"grid + held-out point sets equal: {c['grid_and_held_out_equal']}; duplicates {c['duplicates']}; "
+        f"two-worker split {c['workers_two']}"
+    )
+    print_table(res)
+    write_json(out_dir(args.out_dir) / "profile_two_workers.json", res)
     return 0
 
 

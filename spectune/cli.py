@@ -72,6 +72,9 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", default="1", metavar="N|auto",
                    help="local worker processes sharing the study (auto: one per visible GPU; on CPU, N "
                         "processes); default 1")
+    g.add_argument("--timing-lock", default="auto", choices=["auto", "on", "off"],
+                   help="workers on one GPU take turns at timing (a lock keyed by the GPU's UUID around "
+                        "warm-up, timed replays and NVML sampling; capture overlaps): auto = on CUDA")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -95,6 +98,7 @@ def _profile_config(args: argparse.Namespace, out: str | None):
         batch_sizes=args.batch_sizes, max_k=args.max_k, context_len=args.context_len, out=out,
         storage=args.storage, study_name=args.study_name, trials=args.trials, seed=args.seed,
         progress=not args.no_progress, workers=_workers(args.workers), collect=getattr(args, "collect", False),
+        timing_lock=getattr(args, "timing_lock", "auto"),
     )
 
 
@@ -292,6 +296,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise TableError(exc.field, exc.reason, exc.file or args.profile) from None
     write_table(res.table, args.out)
     s = res.search
+    if res.batch_cap is not None:
+        print(f"out of memory in the profile: rows end at batch {res.batch_cap} (the largest batch measured to fit)",
+              file=sys.stderr)
+    if res.dropped_tiers:
+        print(f"out of memory in the profile: tiers {list(res.dropped_tiers)} left out (a step of that size did not "
+              f"fit)", file=sys.stderr)
     print(f"acceptance: {res.acceptance.source}")
     if res.acceptance.calibration is not None:
         cal = " ".join(f"<{e:g}:{p:.2f}" for e, p in res.acceptance.calibration)

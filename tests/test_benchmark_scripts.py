@@ -22,7 +22,7 @@ def test_two_worker_profile_compare_runs_on_cpu(tmp_path, monkeypatch, capsys):
     mod = load("profile_two_workers")
     assert mod.main(["--device", "cpu", "--target", "tiny", "--batch-sizes", "1,2", "--max-k", "1",
                      "--trials", "0"]) == 0
-    res = json.loads((tmp_path / "profile_two_workers.json").read_text())
+    res = json.loads((tmp_path / "profile_two_workers.json").read_text())["two_lock_on"]
     assert res["grid_and_held_out_equal"] and res["duplicates"] == [0, 0]
     assert res["common_points"] == res["points"][0] == res["points"][1]
     assert sum(res["workers_two"].values()) == res["points"][1]
@@ -51,3 +51,29 @@ def test_seed_experiment_refuses_bad_options(tmp_path, capsys):
     assert mod.main(["--out-dir", str(tmp_path), "--datasets", "nope", "--device", "cpu"]) == 2
     assert "--datasets" in capsys.readouterr().err
     assert not (tmp_path / "seed_experiment_gpu.json").exists()
+
+
+@pytest.mark.slow
+def test_gpu_reliability_dry_run_on_cpu(tmp_path, capsys):
+    """The oom and kill sections on CPU (the lock section is ``two_workers_vs_one``, run above)."""
+    mod = load("gpu_reliability")
+    rc = mod.main(["--device", "cpu", "--target", "tiny", "--sections", "oom,kill", "--out-dir", str(tmp_path)])
+    res = json.loads((tmp_path / "gpu_reliability.json").read_text())
+    assert rc == 0, {k: res[k].get("error") for k in ("oom", "kill")}
+    oom = res["oom"]
+    assert oom["infeasible"] > 0 and all(":b=8:" in k or ":b=16:" in k for k in oom["infeasible_keys"])
+    assert oom["check"]["never_schedules_infeasible"] and oom["check"]["rows_end_at"] == oom["check"]["expected_cap"] < 8
+    kill = res["kill"]
+    assert [k["killed"] for k in kill["kills"]] == [True, True] and kill["points_settled_twice"] == {}
+    assert kill["compare"]["point_sets_equal"] and kill["trial_states"].get("FAIL", 0) >= 2
+    assert len(list(tmp_path.iterdir())) <= 8
+    assert "never schedules them: True" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_gpu_script_dry_run_on_cpu(tmp_path):
+    mod = load("profile_two_gpus")
+    assert mod.main(["--device", "cpu", "--target", "tiny", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "profile_two_gpus.json").read_text())["one_vs_two"]
+    assert res["dry_run"] and res["mode"] == "cpu" and res["compare"]["duplicates"] == [0, 0]
+    assert res["compare"]["grid_and_held_out_equal"] and sum(w["points"] for w in res["workers"]) == res["compare"]["points"][1]

@@ -9,6 +9,10 @@ Design
   is user attr ``result``; ``worker`` and ``gpu`` say who measured it on which GPU (name, UUID,
   driver, clocks, power limit). Feasible points are COMPLETE with value = ms; infeasible ones (out
   of memory / resources) are PRUNED with ``feasible = False`` and never fitted.
+- Timing: a worker that shares its GPU with others (local ``--workers``, another study, another
+  ``spectune profile``) takes the GPU's timing lock around the stretches that run the step on the
+  device (:mod:`spectune.autotune.timing_lock`); claims, building steps and graph capture overlap.
+  The NVML meter runs around the timed replays alone.
 - Phases: ``open_study`` writes or checks the study's identity and enqueues the seed grid and the
   held-out points; ``work`` claims and measures points until none is waiting or running and the
   adaptive budget is spent (a worker that finds the queue empty while others still measure waits:
@@ -65,6 +69,7 @@ from spectune.autotune.study_claims import (
 )
 from spectune.autotune.study_storage import GRACE_S, HEARTBEAT_S, ClaimLock, heartbeat, open_storage
 from spectune.autotune.timing import InfeasiblePoint, free_device_memory, is_out_of_memory
+from spectune.autotune.timing_lock import Hold, TimingLock
 from spectune.runtime.costs import CostModel
 from spectune.runtime.table import CostError, CostModelParams
 
@@ -164,15 +169,23 @@ def open_study(plan: StudyPlan, *, storage: str | Path | optuna.storages.BaseSto
 # measuring
 
 
-def measure(spec: PointSpec, measure_point: Callable[[PointSpec], Any], timer: Callable[[Any], Any],
-            power: Any = None) -> dict[str, Any]:
-    """Time one point; out-of-memory / out-of-resources becomes ``feasible: False``."""
+def measure(spec: PointSpec, measure_point: Callable[[PointSpec], Any], timer: Callable[..., Any],
+            power: Any = None, gpu_lock: TimingLock | None = None) -> dict[str, Any]:
+    """Time one point; out-of-memory / out-of-resources becomes ``feasible: False``.
+
+    Building the step is never held; a timer with ``phased = True`` runs its device stretches under
+    ``Hold`` (the GPU's timing lock; the NVML meter around the timed stretch), any other timer runs
+    whole under both."""
     reason = None
+    hold = Hold(gpu_lock, power)
     try:
         step = measure_point(spec)
-        meter = power.measure() if power is not None and getattr(power, "available", False) else contextlib.nullcontext()
-        with meter as reading:
-            timing = timer(step)
+        if getattr(timer, "phased", False):
+            timing = timer(step, hold)
+        else:
+            with hold("timed"):
+                timing = timer(step)
+        reading = hold.reading
         del step
     except Exception as exc:  # building the step can run out of memory too, outside the timer
         if not isinstance(exc, InfeasiblePoint | MemoryError) and not is_out_of_memory(exc):
@@ -182,7 +195,8 @@ def measure(spec: PointSpec, measure_point: Callable[[PointSpec], Any], timer: C
     if reason is not None:
         free_device_memory()  # outside the except block: the failed frames are gone by now
         return {"feasible": False, "error": reason, "ms": None}
-    res: dict[str, Any] = {"feasible": True, "error": None}
+    res: dict[str, Any] = {"feasible": True, "error": None,
+                           "lock_wait_s": round(hold.waited_s, 4) if gpu_lock is not None else None}
     for name in ("median_ms", "p20_ms", "p80_ms", "reps", "mode", "capture_s", "capture_mib"):
         res[name] = getattr(timing, name, None)
     res["ms"] = float(res.pop("median_ms"))
@@ -194,10 +208,10 @@ def measure(spec: PointSpec, measure_point: Callable[[PointSpec], Any], timer: C
 
 
 def _measure_trial(h: StudyHandle, trial: optuna.Trial, measure_point: Callable[[PointSpec], Any],
-                   timer: Callable[[Any], Any], power: Any, gpu_name: str) -> None:
+                   timer: Callable[..., Any], power: Any, gpu_name: str, gpu_lock: TimingLock | None) -> None:
     try:
         with heartbeat(h.storage, trial._trial_id):  # the id Optuna's own heartbeat thread uses
-            res = measure(spec_from_attrs(trial.user_attrs), measure_point, timer, power)
+            res = measure(spec_from_attrs(trial.user_attrs), measure_point, timer, power, gpu_lock)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # storage gone too: the next worker finds the trial dead
             interrupted(h.study, trial, f"{type(exc).__name__}: {exc}", h.lock)
@@ -231,13 +245,14 @@ def _next_round(h: StudyHandle) -> str:
         return "done"
 
 
-def work(h: StudyHandle, measure_point: Callable[[PointSpec], Any], timer: Callable[[Any], Any], *,
+def work(h: StudyHandle, measure_point: Callable[[PointSpec], Any], timer: Callable[..., Any], *,
          power: Any = None, gpu: str = "cpu", gpu_info: dict[str, Any] | None = None, progress: bool = True,
-         poll_s: float = POLL_S) -> int:
+         poll_s: float = POLL_S, gpu_lock: TimingLock | None = None) -> int:
     """Claim and measure points until the study is complete; returns how many this worker measured.
 
     ``measure_point(spec)`` builds the step to time, ``timer(step)`` returns a Timing; ``power`` is
-    an NVML sampler (``available``, ``measure()``) or None; ``gpu_info`` is recorded on every trial.
+    an NVML sampler (``available``, ``measure()``) or None; ``gpu_info`` is recorded on every trial;
+    ``gpu_lock`` is the GPU's timing lock (:mod:`spectune.autotune.timing_lock`) or None.
     """
     me = worker_identity()
     info = gpu_info or {"name": gpu}
@@ -250,7 +265,7 @@ def work(h: StudyHandle, measure_point: Callable[[PointSpec], Any], timer: Calla
             reap_dead(h.study, h.lock, me, h.requeue)
             trial = claim(h.study, h.lock, me, info)
             if trial is not None:
-                _measure_trial(h, trial, measure_point, timer, power, gpu)
+                _measure_trial(h, trial, measure_point, timer, power, gpu, gpu_lock)
                 measured += 1
                 bar.update(1)
                 continue
@@ -305,7 +320,7 @@ def collect(h: StudyHandle, measured: int = 0) -> StudyResult:
 def run_study(
     plan: StudyPlan,
     measure_point: Callable[[PointSpec], Any],
-    timer: Callable[[Any], Any],
+    timer: Callable[..., Any],
     *,
     storage: str | Path | optuna.storages.BaseStorage | None = None,
     study_name: str = "spectune",
@@ -317,11 +332,12 @@ def run_study(
     progress: bool = True,
     heartbeat_s: int = HEARTBEAT_S,
     grace_s: int = GRACE_S,
+    gpu_lock: TimingLock | None = None,
 ) -> StudyResult:
     """One worker: open (or join) the study, measure until it is complete, fit the cost model."""
     h = open_study(plan, storage=storage, study_name=study_name, identity=identity, hardware=hardware,
                    heartbeat_s=heartbeat_s, grace_s=grace_s)
-    n = work(h, measure_point, timer, power=power, gpu=gpu, gpu_info=gpu_info, progress=progress)
+    n = work(h, measure_point, timer, power=power, gpu=gpu, gpu_info=gpu_info, progress=progress, gpu_lock=gpu_lock)
     return collect(h, n)
 
 

@@ -116,7 +116,10 @@ class OperatingGrid:
 
     @classmethod
     def build(cls, cost: CostModel, acceptance: AcceptanceModel, *, max_batch: int, max_k: int,
-              universe: Sequence[int] | None = None, progress: Progress | None = None) -> OperatingGrid:
+              universe: Sequence[int] | None = None, progress: Progress | None = None,
+              fits: Callable[[int, int], bool] | None = None) -> OperatingGrid:
+        """``fits(b, tokens)``: False for a step the profile ran out of memory at (such candidates
+        are left out; a fixed-K reference that does not fit counts 0 tok/s)."""
         uni = list(universe) if universe is not None else tier_universe(max_batch, max_k)
         mix = Mixture.of(acceptance, max(max_k, 1))
         g = cls(uni, [], [], [], [], [], [], np.zeros(max_batch), np.zeros(max_batch),
@@ -141,6 +144,8 @@ class OperatingGrid:
                 tk = tk_all[:-1]
                 for t_i, bud, e in zip(keep, budgets, tk, strict=True):
                     t = int(tiers[t_i])
+                    if fits is not None and not fits(b, t):
+                        continue
                     m = step_ms(cost, b, k, t)
                     ks.append(k)
                     bs.append(int(bud))
@@ -150,7 +155,8 @@ class OperatingGrid:
                     js.append(joule(t, m))
                 exact = b * (k + 1)
                 m_exact = step_ms(cost, b, k, exact)
-                g.fixed_tok_s[b - 1, k] = float(tk_all[-1]) / m_exact * 1000
+                runs = fits is None or fits(b, exact)
+                g.fixed_tok_s[b - 1, k] = float(tk_all[-1]) / m_exact * 1000 if runs else 0.0
                 if k == 0:
                     g.plain_ms[b - 1] = m_exact
                     g.plain_tok_s[b - 1] = b / m_exact * 1000
@@ -384,7 +390,11 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
                   capture_budget_mib: float | None = None, capture_seconds: float | None = None,
                   latency_bound_ms: float | None = None, trials: int = 40, seed: int = 0,
                   pareto: bool = False, grid: OperatingGrid | None = None,
-                  smooth: float = DEFAULT_SMOOTH, progress: Progress | None = None) -> SearchResult:
+                  smooth: float = DEFAULT_SMOOTH, progress: Progress | None = None,
+                  universe: Sequence[int] | None = None, fits: Callable[[int, int], bool] | None = None,
+                  ) -> SearchResult:
+    """``universe``: the candidate tiers (default ``tier_universe``); ``fits(b, tokens)``: see
+    :meth:`OperatingGrid.build` (:mod:`spectune.autotune.feasibility` gives both)."""
     if not 0.0 <= smooth < 1.0:
         raise SearchError(f"smooth: must be in [0, 1), got {smooth}")
     if objective not in ("goodput", "energy", "latency"):
@@ -399,7 +409,8 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
     for name, v in (("capture_budget_mib", budget.mib), ("capture_seconds", budget.seconds)):
         if v is not None and v <= 0:
             raise SearchError(f"{name}: must be > 0, got {v}")
-    grid = grid or OperatingGrid.build(cost, acceptance, max_batch=max_batch, max_k=max_k, progress=progress)
+    grid = grid or OperatingGrid.build(cost, acceptance, max_batch=max_batch, max_k=max_k, progress=progress,
+                                       universe=universe, fits=fits)
     uni = grid.universe
     mib, sec = capture_costs(capture, uni)
     top = smallest_tier(uni, max_batch)  # plain decoding at max_batch must fit

@@ -110,6 +110,7 @@ class ProfileConfig:
     progress: bool = True
     workers: int = 1  # local worker processes sharing the study (0: one per visible GPU, 1 on CPU)
     collect: bool = False  # measure nothing: fit and write the finished study
+    timing_lock: str = "auto"  # per-GPU lock around timed stretches: auto (on CUDA), on, off
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,8 @@ def resolve(config: ProfileConfig) -> Resolved:
     """Fill defaults for the device and check every setting (before anything is built or written)."""
     config = replace(config, target=config.target or DEFAULT_TARGET, drafter=config.drafter or DEFAULT_DRAFTER,
                      seed=0 if config.seed is None else config.seed)
+    if config.timing_lock not in ("auto", "on", "off"):
+        raise ProfileError(f"--timing-lock: must be auto, on or off, got {config.timing_lock!r}")
     if config.workers < 0:
         raise ProfileError(f"--workers: must be >= 1 (or auto), got {config.workers}")
     if config.collect and not (config.storage and config.study_name):
@@ -238,7 +241,7 @@ def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
 def measurements_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     cols = ["key", "phase", "kind", "batch", "tokens", "q", "k", "held_out", "feasible", "ms", "p20_ms",
             "p80_ms", "reps", "mode", "capture_s", "capture_mib", "joules", "power_w", "max_power_w",
-            "sm_clock_mhz", "throttle", "throttle_names", "gpu", "gpu_uuid", "worker", "error"]
+            "sm_clock_mhz", "throttle", "throttle_names", "gpu", "gpu_uuid", "worker", "lock_wait_s", "error"]
     rows = [{c: (";".join(r[c]) if c == "throttle_names" and r.get(c) else r.get(c)) for c in cols} for r in records]
     return pd.DataFrame(rows, columns=cols)
 
@@ -359,6 +362,8 @@ def measure_for_study(s: Setup, *, timer: Callable[[Any], Any] | None = None,
                       measure_point: Callable[[PointSpec], Any] | None = None, power: Any = None,
                       heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> tuple[StudyHandle, int]:
     """One worker: join the study and measure points on this process's device until it is complete."""
+    from spectune.autotune.timing_lock import open_timing_lock
+
     r = s.r
     gpu_info: dict[str, Any] = {"name": s.hardware.gpu}
     if r.device.type == "cuda":
@@ -368,6 +373,7 @@ def measure_for_study(s: Setup, *, timer: Callable[[Any], Any] | None = None,
         if power is None:
             power = NvmlSampler(index)
         gpu_info = power.identity() if hasattr(power, "identity") else gpu_info
+    gpu_lock = open_timing_lock(r.config.timing_lock, gpu_info, r.device.index or 0, r.device.type == "cuda")
     h = open_study(s.plan, storage=r.storage, study_name=s.name, identity=s.identity,
                    hardware=asdict(s.hardware), heartbeat_s=heartbeat_s, grace_s=grace_s)
     if measure_point is None:
@@ -383,7 +389,7 @@ def measure_for_study(s: Setup, *, timer: Callable[[Any], Any] | None = None,
         torch.set_num_threads(1)
     try:
         n = work(h, measure_point, timer, power=power, gpu=s.hardware.gpu, gpu_info=gpu_info,
-                 progress=r.config.progress and r.config.workers <= 1)
+                 progress=r.config.progress and r.config.workers <= 1, gpu_lock=gpu_lock)
     finally:
         torch.set_num_threads(threads)
     return h, n

@@ -20,7 +20,6 @@ differs is refused with the differing options named.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import socket
 import uuid
@@ -39,7 +38,6 @@ from spectune.autotune.study_storage import ClaimLock
 
 IDENTITY_ATTR = "spectune"
 HARDWARE_ATTR = "spectune_hardware"
-NO_WORKER_GRACE_S = 120  # a RUNNING trial without a worker attr this old was claimed by a process that died
 
 DISTS = {
     "kind": CategoricalDistribution(KINDS),
@@ -303,12 +301,14 @@ def reap_dead(study: optuna.Study, lock: ClaimLock, me: dict[str, Any], requeue:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             fail_stale_trials(study)  # RDB heartbeat: calls ``requeue`` for each trial it failed
         reaped += requeue.requeued[before:]
-        now = datetime.datetime.now()
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             worker = t.user_attrs.get("worker")
             if worker is None:
-                old = t.datetime_start is not None and (now - t.datetime_start).total_seconds() > NO_WORKER_GRACE_S
-                if not old or t.user_attrs.get("key") is None:
+                # ``claim`` asks and names the worker under this lock, so a RUNNING trial without a
+                # worker seen here was claimed by a process that died in between (a SIGKILL landed
+                # between the two journal appends); any process that joined the study checked its
+                # identity (the spectune version) and uses the same lock
+                if t.user_attrs.get("key") is None:
                     continue
             elif worker.get("run") == me["run"] or not _worker_dead(worker, me):
                 continue

@@ -1,6 +1,10 @@
 """Timing harness: what one measured point costs.
 
-A timer is any callable ``timer(step) -> Timing`` over a ``StepFn`` (see ``spectune.models.build``):
+A timer is any callable ``timer(step) -> Timing`` over a ``StepFn`` (see ``spectune.models.build``).
+The timers here also take ``hold`` (``timer(step, hold)``, :class:`~spectune.autotune.timing_lock.Hold`)
+and run every stretch that puts the step on the device inside ``hold("warmup")`` or
+``hold("timed")`` — graph capture (no kernels run) stays outside — so workers sharing a GPU take
+turns at timing (``phased = True`` says a timer does):
 - ``CudaGraphTimer``: eager warm-up on a side stream, capture of a FULL CUDA graph of ``step.run()``
   (capture seconds and the graph pool's memory recorded), warm-up replays, then timed replays with
   CUDA events in a few batches, inputs refreshed in place between batches; median and p20/p80.
@@ -47,6 +51,13 @@ class Timing:
 
 class Timer(Protocol):
     def __call__(self, step: StepFn) -> Timing: ...
+
+
+HoldFn = Callable[[str], contextlib.AbstractContextManager[None]]  # phase -> a stretch to run under
+
+
+def _unheld(phase: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 def _quantile(sorted_ms: list[float], q: float) -> float:
@@ -126,20 +137,24 @@ class WallClockTimer:
         self.warmup, self.reps, self.batches, self.clock = warmup, reps, batches, clock
         self.sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
 
-    def __call__(self, step: StepFn) -> Timing:
+    phased = True
+
+    def __call__(self, step: StepFn, hold: HoldFn = _unheld) -> Timing:
         with infeasible_on_oom(step.label or "step"):
             step.refresh()
-            for _ in range(self.warmup):
-                step.run()
-            samples: list[float] = []
-            for n in _batches(self.reps, self.batches):
-                step.refresh()
-                for _ in range(n):
-                    self.sync()
-                    start = self.clock()
+            with hold("warmup"):
+                for _ in range(self.warmup):
                     step.run()
-                    self.sync()
-                    samples.append((self.clock() - start) * 1e3)
+            samples: list[float] = []
+            with hold("timed"):
+                for n in _batches(self.reps, self.batches):
+                    step.refresh()
+                    for _ in range(n):
+                        self.sync()
+                        start = self.clock()
+                        step.run()
+                        self.sync()
+                        samples.append((self.clock() - start) * 1e3)
         return summarize(samples, "wall-clock")
 
 
@@ -153,26 +168,30 @@ class CudaGraphTimer:
         self.warmup, self.reps, self.batches = warmup, reps, batches
         self.replay_warmup, self.device = replay_warmup, device
 
-    def __call__(self, step: StepFn) -> Timing:
+    phased = True
+
+    def __call__(self, step: StepFn, hold: HoldFn = _unheld) -> Timing:
         graph: torch.cuda.CUDAGraph | None = None
         try:
             with infeasible_on_oom(step.label or "step"), torch.cuda.device(self.device):
-                graph, capture_s, capture_mib = self._capture(step)
-                samples = self._replay(step, graph)
+                graph, capture_s, capture_mib = self._capture(step, hold)
+                with hold("timed"):
+                    samples = self._replay(step, graph)
         finally:
             del graph
             free_device_memory()
         return summarize(samples, "cuda-graph", capture_s, capture_mib)
 
-    def _capture(self, step: StepFn) -> tuple[torch.cuda.CUDAGraph, float, float]:
+    def _capture(self, step: StepFn, hold: HoldFn) -> tuple[torch.cuda.CUDAGraph, float, float]:
         step.refresh()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # eager warm-up off the default stream (lazy inits, autotune)
-            for _ in range(self.warmup):
-                step.run()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        with hold("warmup"):  # eager warm-up off the default stream (lazy inits, Triton autotuning)
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    step.run()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
         # torch.cuda.graph() empties the cache on entry: empty it first so the warm-up's cached
         # blocks do not hide the graph pool's growth
         torch.cuda.empty_cache()
@@ -209,8 +228,11 @@ class FakeTimer:
     def __init__(self, fn: Callable[[StepFn], float]):
         self.fn = fn
 
-    def __call__(self, step: StepFn) -> Timing:
-        ms = float(self.fn(step))
+    phased = True
+
+    def __call__(self, step: StepFn, hold: HoldFn = _unheld) -> Timing:
+        with hold("timed"):
+            ms = float(self.fn(step))
         return Timing(median_ms=ms, p20_ms=ms, p80_ms=ms, reps=1, mode="fake")
 
 

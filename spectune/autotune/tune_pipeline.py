@@ -9,17 +9,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
+from spectune.autotune.feasibility import Feasibility
 from spectune.autotune.policy_search import (
     DEFAULT_SMOOTH,
     Objective,
     Progress,
     SearchResult,
     search_policy,
+    tier_universe,
 )
 from spectune.autotune.simulator import FixedK, SimResult, simulate
 from spectune.errors import SpectuneError, TableError
 from spectune.runtime.costs import CostModel
-from spectune.runtime.planner import Plan, Planner, step_ms
+from spectune.runtime.planner import Plan, Planner, smallest_tier, step_ms
 from spectune.runtime.table import MAX_BATCH, MAX_CONTEXT, Table
 
 DEFAULT_TRIALS = 40
@@ -47,6 +49,8 @@ class TuneResult:
     acceptance: AcceptanceModel
     confirm: list[Confirmation]
     online: OnlineSearch | None = None
+    batch_cap: int | None = None  # max_batch lowered to this: the profile ran out of memory past it
+    dropped_tiers: tuple[int, ...] = ()  # candidate tiers left out: a step the profile could not fit
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
     if w.max_k < 1:
         raise TableError("workload.max_k", f"must be >= 1 to tune speculative decoding, got {w.max_k}")
     model = resolve_acceptance(acceptance, w.max_k)
+    requested = max_batch
+    max_batch, universe, dropped = feasible_shapes(profile, max_batch)
     cost = cost_model(profile)
     if context_len is not None:
         cost = dataclasses.replace(cost, context_len=context_len)
@@ -161,7 +167,7 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
         cost, model, max_batch=max_batch, max_k=w.max_k, capture=profile.costs.capture,
         objective=objective, capture_budget_mib=capture_budget_mib, capture_seconds=capture_seconds,
         latency_bound_ms=latency_bound_ms, trials=trials, seed=seed, pareto=pareto, smooth=smooth,
-        progress=progress,
+        progress=progress, universe=universe, fits=Feasibility.of(profile.costs.points).fits,
     )
     table = dataclasses.replace(
         profile,
@@ -179,7 +185,23 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
     if confirm:
         picks = sorted({1, max(1, max_batch // 4), max_batch})
         checks = confirm_policy(table, model, picks, seed=seed)
-    return TuneResult(table, result, model, checks, picked)
+    return TuneResult(table, result, model, checks, picked, max_batch if max_batch < requested else None, dropped)
+
+
+def feasible_shapes(profile: Table, max_batch: int) -> tuple[int, list[int], tuple[int, ...]]:
+    """(max_batch, candidate tiers, tiers left out) after the profile's out-of-memory points
+    (:mod:`spectune.autotune.feasibility`): the cap lowered until plain decoding has a tier."""
+    feas = Feasibility.of(profile.costs.points)
+    cap = feas.batch_cap(max_batch)
+    full = tier_universe(cap, profile.workload.max_k)
+    universe = feas.tiers(full, cap)
+    while smallest_tier(universe, cap) is None and cap > 1:
+        cap -= 1
+        full = tier_universe(cap, profile.workload.max_k)
+        universe = feas.tiers(full, cap)
+    if smallest_tier(universe, cap) is None:
+        raise SpectuneError("costs.points: no tier fits plain decoding at batch 1 (out of memory); nothing to tune")
+    return cap, universe, tuple(t for t in full if t not in universe)
 
 
 def check_tune_args(*, max_batch: int, context_len: int | None, trials: int, smooth: float,

@@ -68,3 +68,45 @@ def worker(storage: str, name: str, log: str, plan_kw: dict[str, Any], *, sleep_
                     study_name=name, progress=False, heartbeat_s=heartbeat_s, grace_s=grace_s)
     Path(log + ".done").write_text(json.dumps({"measured": res.measured_now, "points": len(res.records),
                                                "given_up": list(res.given_up)}))
+
+
+class IntervalTimer:
+    """A phased fake timer: a short warm-up and a fixed-length timed stretch, each under the hold it
+    is given, with an unheld "capture" sleep between them; appends one JSON line per stretch
+    (``phase``, ``pid``, ``start``, ``end``: CLOCK_MONOTONIC, one clock for every process)."""
+
+    phased = True
+
+    def __init__(self, log: str, timed_s: float = 0.03, capture_s: float = 0.02):
+        self.log, self.timed_s, self.capture_s = log, timed_s, capture_s
+
+    def _stretch(self, phase: str, seconds: float) -> None:
+        start = time.monotonic()
+        time.sleep(seconds)
+        end = time.monotonic()
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"phase": phase, "pid": os.getpid(), "start": start, "end": end}) + "\n")
+
+    def __call__(self, step: PointSpec, hold: Any) -> SimpleNamespace:
+        with hold("warmup"):
+            self._stretch("warmup", self.timed_s / 4)
+        self._stretch("capture", self.capture_s)
+        with hold("timed"):
+            self._stretch("timed", self.timed_s)
+        ms = roofline(step)
+        cap = (0.01 * step.tokens, 2.0 + step.tokens / 64) if step.kind == "tier" else (None, None)
+        return SimpleNamespace(median_ms=ms, p20_ms=ms, p80_ms=ms, reps=1, mode="fake", capture_s=cap[0],
+                               capture_mib=cap[1])
+
+
+def timed_worker(storage: str, name: str, log: str, lock_dir: str | None, barrier: Any = None) -> None:
+    """One worker timing with :class:`IntervalTimer`, under the timing lock in ``lock_dir`` (None:
+    no lock)."""
+    from spectune.autotune.timing_lock import TimingLock
+
+    lock = TimingLock("GPU-test-0000", Path(lock_dir)) if lock_dir else None
+    Path(log).touch()
+    if barrier is not None:
+        barrier.wait()
+    run_study(small_plan(), same_step, IntervalTimer(log, timed_s=0.05), storage=storage, study_name=name,
+              progress=False, gpu_lock=lock)

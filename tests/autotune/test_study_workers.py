@@ -155,3 +155,16 @@ def test_worker_on_another_host_is_failed_by_the_heartbeat(postgres_url, tmp_pat
     assert set(counts) == want and max(counts.values()) == 1
     (retry,) = settled(trials_by_key(postgres_url)[HANG])
     assert retry.user_attrs["worker"]["host"] == "host-b" and len(retry.system_attrs["retry_history"]) == 1
+
+
+def test_worker_killed_between_ask_and_naming_itself_is_reaped_at_once(tmp_path):
+    from spectune.autotune.measurement_study import open_study
+    from spectune.autotune.study_claims import DISTS, key_states, reap_dead, worker_identity
+
+    h = open_study(small_plan(), storage=str(tmp_path / "s.journal"), study_name=NAME)
+    trial = h.study.ask(DISTS)  # what ``claim`` does before it names the worker: then SIGKILL
+    key = trial.user_attrs["key"]
+    assert reap_dead(h.study, h.lock, worker_identity(), h.requeue) == [key]
+    states = key_states(h.study)
+    assert key in states.waiting and key not in states.running
+    assert reap_dead(h.study, h.lock, worker_identity(), h.requeue) == []  # re-queued once, not again
