@@ -276,6 +276,8 @@ class Engine:
             out = self.verifier.step(self.state.last_token, drafts, conf, n, plan,
                                      context_lens=self.state.context_lens,
                                      block_tables=self.state.block_tables, k_valid=k_valid)
+            if plan.k > 0:
+                self._count_declined(out, n, plan.k)
             self._advance(run, out, n, it)
             run.decode_spans.append((step_mark, len(iter_marks)))
             if n == concurrency:
@@ -316,6 +318,23 @@ class Engine:
         kv.sub_(1).clamp_(0, k)
         offered = getattr(self.drafts.proposer, "offered", None)  # [>= n] int32: drafts it proposed
         return kv if offered is None else torch.minimum(kv, offered[:n], out=kv)
+
+    def _count_declined(self, out: StepOutput, n: int, k: int) -> None:
+        """A draft the proposer declined (it offered fewer than the step could verify, and every
+        draft it did offer was accepted) counts as tested and rejected at that position: the
+        step paid for the slot, and the controller must see the yield per planned draft, not
+        only per offered one (an n-gram drafter without a match offers nothing). On the device,
+        into the verifier's cumulative counters (read with the next step's copy): no sync."""
+        offered = getattr(self.drafts.proposer, "offered", None)
+        if offered is None:
+            return
+        s = self.state
+        room = torch.sub(s.max_new[:n], s.produced[:n]).sub_(1).clamp_(0, k)  # before _advance
+        grant = out.grant.to(torch.int64)
+        declined = ((out.num_out[:n].to(torch.int64) - 1 == grant) & (grant == offered[:n].to(torch.int64))
+                    & (grant < room.to(torch.int64)))
+        tested = self.pool.buf.stats.offered_per_pos  # a view into the counters
+        tested.scatter_add_(0, grant.clamp(max=tested.shape[0] - 1), declined.to(torch.int64))
 
     def _advance(self, run: RunLog, out: StepOutput, n: int, it: int) -> None:
         s = self.state

@@ -153,6 +153,36 @@ def test_confidence_allocation_grants_the_budget_to_confident_drafts(rig, plain,
         rig.replay.set_allocation("best")
 
 
+class Observing(FixedPolicy):
+    """Fixed K that keeps the counters the engine hands to ``observe``."""
+
+    def __init__(self, k, tiers):
+        super().__init__(k, tuple(tiers))
+        object.__setattr__(self, "seen", [])
+
+    def observe(self, accepted, tested):
+        self.seen.append((list(accepted), list(tested)))
+
+
+def test_declined_drafts_count_as_tested_and_rejected(rig, plain, engine):
+    # t0 never offers a draft; t1 offers 1 of K and it is right: the controller must see the
+    # planned slots the drafter left empty as rejected drafts, not as untested ones
+    steps = {"t0": [(0, 0)] * 8, "t1": [(1, 1)] * 8}
+    reqs = request_steps(records(steps), MAX_K)
+    t = token_tables(reqs, [0, 1], len(rig.requests), max(MAX_NEWS), offset=1)
+    rig.replay.load_tokens(plain.outputs, t)
+    policy = Observing(MAX_K, engine.tiers)
+    res = engine.run(rig.requests, policy, concurrency=2)
+    assert res.outputs == plain.outputs
+    engine.verifier.poll_stats()
+    acc = [sum(a[i] for a, _ in policy.seen) for i in range(MAX_K)]
+    tested = [sum(x[i] for _, x in policy.seen) for i in range(MAX_K)]
+    assert acc[0] > 0 and acc[1:] == [0] * (MAX_K - 1)  # only t1's one draft is ever right
+    # t0's empty slots, and t1's declined 2nd draft (unless its request had one token left)
+    assert tested[0] > acc[0] and 0 < tested[1] <= acc[0]
+    assert tested[2:] == [0] * (MAX_K - 2)
+
+
 def test_load_trace_replay_file(tmp_path):
     rng = np.random.default_rng(5)
     path = tmp_path / "t.jsonl.gz"
