@@ -231,7 +231,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("profile", help="profile YAML from `spectune profile`")
     p.add_argument("--acceptance", default=None,
                    help="curve:S1,S2,..., mixture:W*curve(...)+..., public:<drafter>/<target>/<dataset>, "
-                        "metrics:FILE, FILE.jsonl (default: a published EAGLE-3 curve)")
+                        "metrics:FILE (vLLM), trtllm-stats:FILE, sglang-metrics:S0,S1,..., FILE.jsonl "
+                        "(default: a published EAGLE-3 curve)")
     p.add_argument("--scrape-every", type=float, default=None,
                    help="with a vLLM metrics URL: scrape it every S seconds and read per-interval deltas "
                         "(exact where each interval ran one K; docs/EXPORTS.md)")

@@ -12,6 +12,8 @@ of requests with its own conditional rates. Sources (``load_acceptance``):
     mixture:0.5*curve(0.95,0.9)+0.5*curve(0.5,0.2)
     public:EAGLE-3/Llama-3.1-8B-Instruct/MT-Bench      rows of the shipped published figures
     metrics:FILE[#model=NAME], FILE.prom, FILE.txt, http(s)://...   a vLLM Prometheus scrape
+    trtllm-stats:FILE,...                    TensorRT-LLM iteration stats (acceptance_engines.py)
+    sglang-metrics:S0,S1,...                 SGLang Prometheus scrapes in time order (acceptance_engines.py)
     FILE.jsonl, FILE.jsonl.gz, traces:FILE   per-step traces (see acceptance_sources.py)
 
 Extrapolation: positions past the data's last one continue the last conditional rate with a mild
@@ -402,13 +404,19 @@ def load_acceptance(source: str, *, max_k: int) -> AcceptanceModel:
         return parse_public(spec, max_k=max_k)
     from spectune.autotune import acceptance_sources as sources
 
+    if lower.startswith(("trtllm-stats:", "sglang-metrics:")):
+        from spectune.autotune import acceptance_engines as engines
+
+        load = engines.load_trtllm if lower.startswith("trtllm-stats:") else engines.load_sglang
+        return load(spec, max_k=max_k)
     if lower.startswith(("metrics:", "http://", "https://")) or lower.split("#")[0].endswith((".prom", ".txt")):
         return sources.load_metrics(spec, max_k=max_k)
     if lower.startswith("traces:") or lower.endswith((".jsonl", ".jsonl.gz")):
         return sources.load_traces(spec, max_k=max_k)
     raise AcceptanceError(
         f"{source!r}: unknown acceptance source; use curve:S1,S2,..., mixture:W*curve(...)+..., "
-        "public:<drafter>/<target>/<dataset>, metrics:FILE (or .prom/.txt/http URL), or FILE.jsonl[.gz]"
+        "public:<drafter>/<target>/<dataset>, metrics:FILE (or .prom/.txt/http URL), trtllm-stats:FILE, "
+        "sglang-metrics:S0,S1,..., or FILE.jsonl[.gz]"
     )
 
 

@@ -25,8 +25,11 @@ TRUE = {"weight": 1.3, "token": 0.8, "drafter": 1.6}  # the user's engine vs the
 def _engine_ms(model, b, k, ctx, rng):
     n = b * (k + 1)
     w = model.params.target.weight_ms
-    ms = TRUE["weight"] * w + TRUE["token"] * (model.target_ms(n, b, ctx) - w + model.overhead_ms(n)) \
+    ms = (
+        TRUE["weight"] * w
+        + TRUE["token"] * (model.target_ms(n, b, ctx) - w + model.overhead_ms(n))
         + TRUE["drafter"] * model.drafter_ms(b, k, ctx)
+    )
     return ms * (1 + rng.normal(0, 0.01))
 
 
@@ -37,32 +40,71 @@ def _write_results(tmp_path, model):
         out = 128
         lat = [_engine_ms(model, b, 0, 32 + out / 2, rng) * out / 1e3 for _ in range(3)]
         f = tmp_path / f"lat-b{b}.json"
-        f.write_text(json.dumps({"model_id": "qwen3-8b", "avg_latency": float(np.mean(lat)), "latencies": lat,
-                                 "percentiles": {"50": float(np.median(lat))}}))
+        f.write_text(
+            json.dumps(
+                {
+                    "model_id": "qwen3-8b",
+                    "avg_latency": float(np.mean(lat)),
+                    "latencies": lat,
+                    "percentiles": {"50": float(np.median(lat))},
+                }
+            )
+        )
         files.append(f"{f}#batch={b}&input=32&output={out}")
     for conc in (1, 8, 32):  # vllm bench serve --save-result at K = 3 (acceptance length 2.5)
         for k in (3,):
             step = _engine_ms(model, conc, k, 1024 + 128, rng)
             drafts = 1000
             f = tmp_path / f"serve-c{conc}-k{k}.json"
-            f.write_text(json.dumps({
-                "max_concurrency": conc, "completed": 100, "total_input_tokens": 102400,
-                "total_output_tokens": 25600, "median_tpot_ms": step / 2.5, "mean_tpot_ms": step / 2.5,
-                "spec_decode_num_drafts": drafts, "spec_decode_draft_tokens": drafts * k,
-                "spec_decode_accepted_tokens": int(1.5 * drafts), "spec_decode_acceptance_length": 2.5}))
+            f.write_text(
+                json.dumps(
+                    {
+                        "max_concurrency": conc,
+                        "completed": 100,
+                        "total_input_tokens": 102400,
+                        "total_output_tokens": 25600,
+                        "median_tpot_ms": step / 2.5,
+                        "mean_tpot_ms": step / 2.5,
+                        "spec_decode_num_drafts": drafts,
+                        "spec_decode_draft_tokens": drafts * k,
+                        "spec_decode_accepted_tokens": int(1.5 * drafts),
+                        "spec_decode_acceptance_length": 2.5,
+                    }
+                )
+            )
             files.append(str(f))
     lines = []  # sglang bench_one_batch result.jsonl
     for b in (2, 8, 128):
-        lines.append(json.dumps({"run_name": "default", "batch_size": b, "input_len": 256, "output_len": 64,
-                                 "prefill_latency": 0.05, "median_decode_latency": _engine_ms(model, b, 0, 288, rng) / 1e3}))
+        lines.append(
+            json.dumps(
+                {
+                    "run_name": "default",
+                    "batch_size": b,
+                    "input_len": 256,
+                    "output_len": 64,
+                    "prefill_latency": 0.05,
+                    "median_decode_latency": _engine_ms(model, b, 0, 288, rng) / 1e3,
+                }
+            )
+        )
     f = tmp_path / "result.jsonl"
     f.write_text("\n".join(lines) + "\n")
     files.append(str(f))
     f = tmp_path / "sglang-serving.jsonl"  # sglang bench_serving at speculative_num_steps 5
-    f.write_text(json.dumps({"max_concurrency": 16, "completed": 50, "total_input_tokens": 51200,
-                             "total_output_tokens": 12800, "median_tpot_ms": _engine_ms(model, 16, 5, 1152, rng) / 3.0,
-                             "accept_length": 3.0,
-                             "server_info": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 5}}) + "\n")
+    f.write_text(
+        json.dumps(
+            {
+                "max_concurrency": 16,
+                "completed": 50,
+                "total_input_tokens": 51200,
+                "total_output_tokens": 12800,
+                "median_tpot_ms": _engine_ms(model, 16, 5, 1152, rng) / 3.0,
+                "accept_length": 3.0,
+                "server_info": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 5},
+            }
+        )
+        + "\n"
+    )
     files.append(str(f))
     return files
 
@@ -91,7 +133,9 @@ def test_calibration_recovers_the_engine_and_reports_held_out_error(tmp_path):
     assert cal.table.policy is None and cal.table.costs.error.held_out == cal.held_out
     new = CostModel.of(cal.table, residuals=False)
     p = EnginePoint("x", 24, 2, 600.0, 0.0)
-    want = _engine_ms(model, p.batch, p.k, p.context, np.random.default_rng(1)) / (1 + 0)  # ~1 % noise
+    want = _engine_ms(model, p.batch, p.k, p.context, np.random.default_rng(1)) / (
+        1 + 0
+    )  # ~1 % noise
     got = new.step_ms(p.batch, p.k, p.batch * 3, p.context)
     assert got == pytest.approx(want, rel=0.05)
 
@@ -104,7 +148,21 @@ def test_cli_calibrate_then_tune(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "held-out points: median" in text and "uncalibrated" in text
     policy = tmp_path / "policy.yaml"
-    assert main(["tune", str(out), "--acceptance", "curve:0.8,0.7,0.6", "--out", str(policy), "--trials", "2"]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                str(out),
+                "--acceptance",
+                "curve:0.8,0.7,0.6",
+                "--out",
+                str(policy),
+                "--trials",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert read_table(policy).policy is not None
 
 
@@ -114,19 +172,121 @@ def test_bad_result_files_are_one_line(tmp_path, capsys):
     with pytest.raises(CalibrationError, match="names no batch size"):
         read_engine_results(str(lat))
     # vLLM's own record of the run's arguments beside it (SAVE_TO_PYTORCH_BENCHMARK_FORMAT=1)
-    (tmp_path / "lat.pytorch.json").write_text(json.dumps([{"benchmark": {"name": "vLLM benchmark", "extra_info": {
-        "args": {"batch_size": 4, "input_len": 32, "output_len": 100, "speculative_config": None}}},
-        "model": {"name": "m"}, "metric": {"name": "latency", "benchmark_values": [1.0]}}]))
+    (tmp_path / "lat.pytorch.json").write_text(
+        json.dumps(
+            [
+                {
+                    "benchmark": {
+                        "name": "vLLM benchmark",
+                        "extra_info": {
+                            "args": {
+                                "batch_size": 4,
+                                "input_len": 32,
+                                "output_len": 100,
+                                "speculative_config": None,
+                            }
+                        },
+                    },
+                    "model": {"name": "m"},
+                    "metric": {"name": "latency", "benchmark_values": [1.0]},
+                }
+            ]
+        )
+    )
     (p,) = read_engine_results(str(lat))
     assert (p.batch, p.k, p.context, p.ms) == (4, 0, 82.0, 10.0)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"foo": 1}))
-    assert main(["calibrate", str(PROFILE), "--engine-results", str(other), "--out", str(tmp_path / "o.yaml")]) == 2
+    assert (
+        main(
+            [
+                "calibrate",
+                str(PROFILE),
+                "--engine-results",
+                str(other),
+                "--out",
+                str(tmp_path / "o.yaml"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "other.json" in err
     assert not (tmp_path / "o.yaml").exists()
     serve = tmp_path / "serve.json"
-    serve.write_text(json.dumps({"median_tpot_ms": 5.0, "completed": 1, "total_input_tokens": 1,
-                                 "total_output_tokens": 1, "max_concurrency": None}))
+    serve.write_text(
+        json.dumps(
+            {
+                "median_tpot_ms": 5.0,
+                "completed": 1,
+                "total_input_tokens": 1,
+                "total_output_tokens": 1,
+                "max_concurrency": None,
+            }
+        )
+    )
     with pytest.raises(CalibrationError, match="max_concurrency"):
         read_engine_results(str(serve))
+
+
+def _dynamic_sd_profile(tmp_path, model, batches=(1, 4, 16, 64, 256), ks=(0, 1, 3, 5), context=384):
+    # what vllm/v1/spec_decode/dynamic/generate_config.py writes: DynamicSpeculativeConfig.model_dump()
+    # with batch_stats[batch][K] = median ITL (ms) of `vllm bench serve` at that max concurrency and
+    # K (0: no speculation); json.dump turns the integer keys into strings
+    rng = np.random.default_rng(2)
+    stats = {b: {k: _engine_ms(model, b, k, context, rng) for k in ks} for b in batches}
+    f = tmp_path / "dynamic_speculative_config.json"
+    f.write_text(
+        json.dumps(
+            {
+                "is_online": False,
+                "max_num_speculative_tokens": max(ks),
+                "acceptance_rate_per_pos": [0.8, 0.6, 0.45, 0.3, 0.2][: max(ks)],
+                "batch_stats": stats,
+            },
+            indent=4,
+        )
+    )
+    return f
+
+
+def test_vllm_dynamic_sd_profile_calibrates(tmp_path):
+    table = read_table(PROFILE)
+    model = CostModel.of(table, residuals=False)
+    f = _dynamic_sd_profile(tmp_path, model)
+    pts = read_engine_results(f"{f}#context=384")
+    assert sorted((p.batch, p.k) for p in pts) == sorted(
+        (b, k) for b in (1, 4, 16, 64, 256) for k in (0, 1, 3, 5)
+    )
+    assert all(p.context == 384 for p in pts)
+    cal = calibrate_profile(table, pts)
+    for key, want in TRUE.items():
+        assert cal.scales[key] == pytest.approx(want, rel=0.1)
+    assert cal.error_after[0] < 0.03 < cal.error_before[0]
+
+
+def test_vllm_dynamic_sd_profile_bad_input_is_one_line(tmp_path, capsys):
+    model = CostModel.of(read_table(PROFILE), residuals=False)
+    f = _dynamic_sd_profile(tmp_path, model, batches=(1, 8), ks=(0, 2))
+    with pytest.raises(CalibrationError, match="context"):
+        read_engine_results(str(f))
+    obj = json.loads(f.read_text())
+    for bad, match in (
+        ({"1": {"two": 5.0}}, "'two'"),
+        ({"0": {"0": 5.0}}, "'0'"),
+        ({"1": {"0": -1}}, "not positive"),
+        ({"1": {"0": "fast"}}, "must be a number"),
+        ({}, "non-empty"),
+        ({"1": []}, "non-empty"),
+    ):
+        f.write_text(json.dumps(dict(obj, batch_stats=bad)))
+        with pytest.raises(CalibrationError, match=match):
+            read_engine_results(f"{f}#context=100")
+    out = tmp_path / "o.yaml"
+    assert (
+        main(["calibrate", str(PROFILE), "--engine-results", f"{f}#context=100", "--out", str(out)])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f.name in err
+    assert not out.exists()

@@ -1,7 +1,8 @@
 """Feed exports to the engines' own code; run as a subprocess with the engine on PYTHONPATH.
 
-stdin: JSON list of {"fmt", "config", "max_batch", "graphs"}; stdout: JSON list, per item the K
-the engine runs at batch sizes 1..max_batch, or {"error": "..."} when the engine refuses it."""
+stdin: JSON list of items ({"fmt": "vllm", "flags", "target"}, {"fmt": "sglang", "config",
+"max_batch", "graphs", "num_steps"}, ...); written to the file named by argv[1] (the engines log to
+stdout): JSON list, per item the engine's answer, or {"error": "..."} when the engine refuses it."""
 
 import json
 import sys
@@ -10,24 +11,36 @@ import warnings
 
 
 def vllm_k(item):
-    from vllm.config.speculative import SpeculativeConfig
-    from vllm.v1.spec_decode.dynamic.utils import (
-        build_dynamic_sd_schedule_lookup,
-        validate_and_normalize_dynamic_sd_schedule,
-    )
+    # the exported server flags as `vllm serve` parses them (its own argument parser and checks),
+    # then the engine config it builds before starting (EngineArgs.create_engine_config: target and
+    # drafter ModelConfig from their config.json, SpeculativeConfig, scheduler), then the schedule
+    # lookup its scheduler builds (vllm/v1/core/sched/scheduler.py) from that config
+    import vllm
+    from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    cfg = item["config"]
-    if cfg.get("model") is None:
-        # the whole config as vLLM's server builds it from --speculative-config
-        spec = SpeculativeConfig(**cfg)
-        schedule, max_k = spec.num_speculative_tokens_per_batch_size, spec.num_speculative_tokens
-    else:
-        # a drafter checkpoint needs its config.json and vLLM's CUDA extension to inspect: check
-        # the schedule with vLLM's schedule functions
-        schedule, max_k = cfg["num_speculative_tokens_per_batch_size"], cfg["num_speculative_tokens"]
-        validate_and_normalize_dynamic_sd_schedule(schedule)
-    dense = build_dynamic_sd_schedule_lookup([list(e) for e in schedule], item["max_batch"], max_k)
-    return dense[1:]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", item["target"], *item["flags"]]
+    )
+    validate_parsed_serve_args(args)
+    config = vllm.AsyncEngineArgs.from_cli_args(args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER
+    )
+    spec = config.speculative_config
+    dense = build_dynamic_sd_schedule_lookup(
+        spec.num_speculative_tokens_per_batch_size,
+        vllm_max_batch_size=config.scheduler_config.max_num_seqs,
+        vllm_num_speculative_tokens=spec.num_speculative_tokens,
+    )
+    drafter = spec.draft_model_config.architectures if spec.draft_model_config is not None else None
+    return {
+        "k": dense[1:],
+        "method": spec.method,
+        "drafter": drafter,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+    }
 
 
 def sglang_k(item):
@@ -59,7 +72,9 @@ def vllm_scrapes(item):
         prometheus_client.REGISTRY.unregister(collector)
     rates = np.array(item["rates"])
     max_k = len(rates)
-    prom = SpecDecodingProm(SimpleNamespace(num_speculative_tokens=max_k), ["model_name", "engine"], {0: ["m", "0"]})
+    prom = SpecDecodingProm(
+        SimpleNamespace(num_speculative_tokens=max_k), ["model_name", "engine"], {0: ["m", "0"]}
+    )
     rng = np.random.default_rng(item["seed"])
     scrapes = [prometheus_client.generate_latest().decode()]
     for ks in item["phases"]:
@@ -76,17 +91,24 @@ def vllm_scrapes(item):
 
 def main():
     warnings.simplefilter("ignore")
+    result = sys.argv[1]
     out = []
     for item in json.load(sys.stdin):
         try:
             run = {"vllm": vllm_k, "sglang": sglang_k, "vllm-metrics": vllm_scrapes}[item["fmt"]]
             out.append(run(item))
         except ModuleNotFoundError as exc:  # the install lacks a module the engine imports
-            sys.stdout.write(json.dumps({"missing": exc.name}))
+            with open(result, "w") as fh:
+                json.dump({"missing": exc.name}, fh)
             return
+        except (
+            SystemExit
+        ) as exc:  # vllm serve's argument parser refused the flags (message on stderr)
+            out.append({"error": f"argument parser exited {exc.code}"})
         except Exception as exc:  # the engine's refusal is the answer
             out.append({"error": f"{type(exc).__name__}: {exc}"})
-    sys.stdout.write(json.dumps(out))
+    with open(result, "w") as fh:
+        json.dump(out, fh)
 
 
 if __name__ == "__main__":
