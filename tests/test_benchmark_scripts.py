@@ -27,3 +27,34 @@ def test_two_worker_profile_compare_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert res["common_points"] == res["points"][0] == res["points"][1]
     assert sum(res["workers_two"].values()) == res["points"][1]
     assert "grid + held-out point sets equal: True" in capsys.readouterr().out
+
+
+def test_targets_probe_quick_path_on_cpu(tmp_path, monkeypatch, capsys):
+    mod = load("targets_probe")
+    real_step = mod.target_step
+
+    def flaky_step(model, *, batch, **kw):  # one bad point must not end its target
+        if batch == 3:
+            raise RuntimeError("injected failure\nsecond line")
+        return real_step(model, batch=batch, **kw)
+
+    monkeypatch.setattr(mod, "target_step", flaky_step)
+    assert mod.main(["--device", "cpu", "--target", "tiny,tiny:fp8,no-such-model", "--batches", "1,3",
+                     "--context-len", "16", "--copy-mib", "1", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "targets_probe.json").read_text())
+    bw = res["bandwidth"]
+    assert bw["copy_gbps"] > 0 and bw["bytes"] == 2**20
+    plain, fp8, bad = res["targets"]
+    assert (plain["label"], fp8["label"]) == ("tiny:bf16", "tiny:fp8") and fp8["fp8"]
+    assert "no-such-model" in bad["error"] and bad["points"] == []
+    assert fp8["weight_read_bytes"] < plain["weight_read_bytes"]
+    for t in (plain, fp8):
+        ok, failed = t["points"]
+        assert ok["batch"] == 1 and ok["ms"] > 0 and ok["mode"] == "wall-clock"
+        assert ok["weight_floor_ms"] == pytest.approx(t["weight_read_bytes"] / (bw["copy_gbps"] * 1e9) * 1e3)
+        kv = 16 * t["kv_bytes_per_token"]
+        assert ok["weight_kv_floor_ms"] == pytest.approx((t["weight_read_bytes"] + kv) / (bw["copy_gbps"] * 1e9) * 1e3)
+        assert failed["batch"] == 3 and failed["error"] == "RuntimeError: injected failure" and "ms" not in failed
+    assert res["gemm"] == []  # CUDA only
+    out = capsys.readouterr().out
+    assert "tiny:fp8" in out and "injected failure" in out
