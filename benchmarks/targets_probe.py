@@ -8,9 +8,12 @@ each time:
 
   weight floor  bytes of weights the step reads (``models.config.weight_read_bytes``: every layer,
                 the final norm, the lm_head; FP8 projections at 1 byte plus their scales) divided
-                by the copy bandwidth measured in the same run (a device-to-device copy of
-                ``--copy-mib``, counted as bytes read + bytes written per second);
+                by the read bandwidth measured in the same run (one sum over ``--copy-mib``);
   + KV floor    the same plus the KV cache the step reads (batch x context x K/V bytes per token).
+
+The copy bandwidth (device-to-device copy of the same buffer, bytes read + written per second) is
+recorded beside it: on an H200 it is well below the read bandwidth, and a floor from it is not one
+(a qwen3-32b step at batch 1 measured faster than the weights' bytes over the copy bandwidth).
 
 Then (CUDA only) the FP8 GEMM against bf16 at qwen3-8b's projection shapes for M = 1..4096: bf16
 ``F.linear``, the FP8 linear as the model runs it (row quantisation kernel + ``torch._scaled_mm``)
@@ -132,7 +135,7 @@ def probe_target(
     timer: Timer,
     device: torch.device,
     dtype: torch.dtype,
-    copy_gbps: float | None,
+    read_gbps: float | None,
 ) -> dict[str, Any]:
     label = f"{name}:{'fp8' if fp8 else 'bf16'}"
     res: dict[str, Any] = {"target": name, "label": label, "fp8": fp8, "points": []}
@@ -164,9 +167,9 @@ def probe_target(
         for batch in batches:
             point: dict[str, Any] = {"batch": batch, "q": 1, "context_len": context}
             kv = batch * context * kv_token
-            if copy_gbps:
-                point["weight_floor_ms"] = read_bytes / (copy_gbps * GB) * 1e3
-                point["weight_kv_floor_ms"] = (read_bytes + kv) / (copy_gbps * GB) * 1e3
+            if read_gbps:
+                point["weight_floor_ms"] = read_bytes / (read_gbps * GB) * 1e3
+                point["weight_kv_floor_ms"] = (read_bytes + kv) / (read_gbps * GB) * 1e3
             try:
                 step = target_step(model, batch=batch, q=1, context_len=context)
                 t = timer(step)
@@ -178,7 +181,7 @@ def probe_target(
                     mode=t.mode,
                     capture_mib=t.capture_mib,
                 )
-                if copy_gbps:
+                if read_gbps:
                     point["over_weight_floor"] = t.median_ms / point["weight_floor_ms"]
                 del step
             except Exception as exc:  # one bad point must not end the target
@@ -208,14 +211,25 @@ def probe_target(
 def gemm_arms(
     x: torch.Tensor, w: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
-    """One projection three ways: bf16, FP8 as the model runs it, ``_scaled_mm`` alone."""
+    """One projection several ways: bf16; FP8 as the model runs it (quantise + row-wise
+    ``_scaled_mm``); row-wise ``_scaled_mm`` alone, also with fast accumulation; ``_scaled_mm`` with
+    one scale per tensor (another library path; its scales would tie a row to the batch)."""
     q_x, s_x = quantize_rows(x)  # [M, K] e4m3, [M, 1] float32
     s_b = s_w.view(1, -1)  # [1, N]
+    one = torch.ones((), device=x.device)
+
+    def rowwise(fast: bool) -> Callable[[], object]:
+        return lambda: torch._scaled_mm(
+            q_x, q_w.t(), scale_a=s_x, scale_b=s_b, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+
     return {
         "bf16_ms": lambda: F.linear(x, w),
         "fp8_ms": lambda: fp8_linear(x, q_w, s_w),
-        "fp8_gemm_only_ms": lambda: torch._scaled_mm(
-            q_x, q_w.t(), scale_a=s_x, scale_b=s_b, out_dtype=torch.bfloat16
+        "fp8_gemm_only_ms": rowwise(False),
+        "fp8_fast_accum_ms": rowwise(True),
+        "fp8_tensorwise_ms": lambda: torch._scaled_mm(
+            q_x, q_w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
         ),
     }
 
@@ -274,7 +288,7 @@ def fmt(v: Any, spec: str = ".3f") -> str:
 def print_tables(result: dict[str, Any]) -> None:
     bw = result.get("bandwidth") or {}
     say(
-        f"\ncopy {fmt(bw.get('copy_gbps'), '.0f')} GB/s (read + write), read {fmt(bw.get('read_gbps'), '.0f')} GB/s "
+        f"\nread {fmt(bw.get('read_gbps'), '.0f')} GB/s (the floors' bandwidth), copy {fmt(bw.get('copy_gbps'), '.0f')} GB/s (read + write) "
         f"over {fmt(bw.get('bytes', 0) / 2**20, '.0f')} MiB"
     )
     say(
@@ -294,14 +308,17 @@ def print_tables(result: dict[str, Any]) -> None:
             say(f"{t['label']:<20} error: {t['error']}")
     if result.get("gemm"):
         say(
-            f"\n{'gemm':<6} {'N x K':>12} {'M':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'mm only':>9} {'bf16/fp8':>8}"
+            f"\n{'gemm':<6} {'N x K':>12} {'M':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'mm only':>9} "
+            f"{'fast acc':>9} {'tensorw':>9} {'bf16/fp8':>8}"
         )
         for r in result["gemm"]:
             ratio = r["bf16_ms"] / r["fp8_ms"] if r.get("bf16_ms") and r.get("fp8_ms") else None
+            errors = "; ".join(str(v) for key, v in r.items() if key.endswith("error"))
             say(
                 f"{r['shape']:<6} {r['n']:>6}x{r['k']:<5} {r.get('m', '-'):>5} {fmt(r.get('bf16_ms'), '.4f'):>9} "
-                f"{fmt(r.get('fp8_ms'), '.4f'):>9} {fmt(r.get('fp8_gemm_only_ms'), '.4f'):>9} {fmt(ratio, '.2f'):>8}"
-                f"  {r.get('error', r.get('fp8_error', ''))}"
+                f"{fmt(r.get('fp8_ms'), '.4f'):>9} {fmt(r.get('fp8_gemm_only_ms'), '.4f'):>9} "
+                f"{fmt(r.get('fp8_fast_accum_ms'), '.4f'):>9} {fmt(r.get('fp8_tensorwise_ms'), '.4f'):>9} "
+                f"{fmt(ratio, '.2f'):>8}  {errors}"
             )
 
 
@@ -316,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-len", type=int, default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
-        "--copy-mib", type=int, default=None, help="copy buffer (default 2048 on CUDA, 16 on CPU)"
+        "--copy-mib",
+        type=int,
+        default=None,
+        help="buffer the read and copy bandwidths are measured over (default 2048 on CUDA, 16 on CPU)",
     )
     ap.add_argument("--no-gemm", action="store_true", help="skip the bf16 vs FP8 GEMM section")
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
@@ -374,15 +394,18 @@ def main(argv: list[str] | None = None) -> int:
         result["bandwidth"] = measure_bandwidth(
             timer, device, args.copy_mib or (2048 if cuda else 16)
         )
-        say(f"copy bandwidth {result['bandwidth']['copy_gbps']:.0f} GB/s")
+        bw = result["bandwidth"]
+        say(
+            f"read bandwidth {bw['read_gbps']:.0f} GB/s, copy {bw['copy_gbps']:.0f} GB/s (read + write)"
+        )
     except Exception as exc:
         result["bandwidth"] = {"error": first_line(exc)}
         say(f"bandwidth: {result['bandwidth']['error']}")
     free_device_memory()
-    copy_gbps = result["bandwidth"].get("copy_gbps")
+    read_gbps = result["bandwidth"].get("read_gbps")
     for name, fp8 in targets:
         result["targets"].append(
-            probe_target(name, fp8, batches, args.context_len, timer, device, dtype, copy_gbps)
+            probe_target(name, fp8, batches, args.context_len, timer, device, dtype, read_gbps)
         )
     if cuda and not args.no_gemm:
         say("gemm: bf16 vs fp8 at qwen3-8b's projection shapes")

@@ -43,7 +43,7 @@ def test_targets_probe_quick_path_on_cpu(tmp_path, monkeypatch, capsys):
                      "--context-len", "16", "--copy-mib", "1", "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "targets_probe.json").read_text())
     bw = res["bandwidth"]
-    assert bw["copy_gbps"] > 0 and bw["bytes"] == 2**20
+    assert bw["read_gbps"] > 0 and bw["copy_gbps"] > 0 and bw["bytes"] == 2**20
     plain, fp8, bad = res["targets"]
     assert (plain["label"], fp8["label"]) == ("tiny:bf16", "tiny:fp8") and fp8["fp8"]
     assert "no-such-model" in bad["error"] and bad["points"] == []
@@ -51,9 +51,9 @@ def test_targets_probe_quick_path_on_cpu(tmp_path, monkeypatch, capsys):
     for t in (plain, fp8):
         ok, failed = t["points"]
         assert ok["batch"] == 1 and ok["ms"] > 0 and ok["mode"] == "wall-clock"
-        assert ok["weight_floor_ms"] == pytest.approx(t["weight_read_bytes"] / (bw["copy_gbps"] * 1e9) * 1e3)
+        assert ok["weight_floor_ms"] == pytest.approx(t["weight_read_bytes"] / (bw["read_gbps"] * 1e9) * 1e3)
         kv = 16 * t["kv_bytes_per_token"]
-        assert ok["weight_kv_floor_ms"] == pytest.approx((t["weight_read_bytes"] + kv) / (bw["copy_gbps"] * 1e9) * 1e3)
+        assert ok["weight_kv_floor_ms"] == pytest.approx((t["weight_read_bytes"] + kv) / (bw["read_gbps"] * 1e9) * 1e3)
         assert failed["batch"] == 3 and failed["error"] == "RuntimeError: injected failure" and "ms" not in failed
     assert res["gemm"] == []  # CUDA only
     out = capsys.readouterr().out

@@ -19,6 +19,14 @@ from spectune.kernels.fp8 import (
 )
 from spectune.kernels.kv_cache import KernelInputError
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: Triton's interpreter on CPU
+
+
+def kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows on DEVICE, results back on the CPU."""
+    q, s = quantize_rows(x.to(DEVICE))
+    return q.cpu(), s.cpu()
+
 
 def e4m3_values() -> torch.Tensor:
     """Every finite e4m3fn value, sorted, as float64 (254 of them: +-0 counted once each)."""
@@ -44,7 +52,7 @@ def test_kernel_matches_reference_bit_for_bit(m, k, dtype):
     x[0, : min(3, k)] = 0
     if m > 2:
         x[2] = 0  # a zero row
-    q, s = quantize_rows(x)
+    q, s = kernel(x)
     q_ref, s_ref = quantize_rows_ref(x)
     assert q.dtype == FP8 and q.shape == (m, k) and s.shape == (m, 1) and s.dtype == torch.float32
     assert torch.equal(s, s_ref)
@@ -57,7 +65,7 @@ def test_kernel_rounds_every_e4m3_value_and_midpoint_as_torch():
     grid = e4m3_values().float()
     mids = (grid[1:] + grid[:-1]) / 2  # ties: to even
     x = torch.cat([grid, mids, torch.tensor([-0.0, FP8_MAX])])[None, :]  # max 448: the scale is 1
-    q, s = quantize_rows(x)
+    q, s = kernel(x)
     q_ref, s_ref = quantize_rows_ref(x)
     assert float(s) == 1.0 and torch.equal(s, s_ref)
     assert torch.equal(bits(q), bits(q_ref))
@@ -65,13 +73,13 @@ def test_kernel_rounds_every_e4m3_value_and_midpoint_as_torch():
 
 
 def test_kernel_reads_a_strided_input_and_writes_into_given_buffers():
-    wide = rand(6, 200, seed=4)
+    wide = rand(6, 200, seed=4).to(DEVICE)
     x = wide[:, 30:150]  # row stride 200, last dim contiguous
-    out = (torch.empty(6, 120, dtype=FP8), torch.empty(6, 1))
+    out = (torch.empty(6, 120, dtype=FP8, device=DEVICE), torch.empty(6, 1, device=DEVICE))
     q, s = quantize_rows(x, out=out)
     assert q is out[0] and s is out[1]
-    q_ref, s_ref = quantize_rows_ref(x)
-    assert torch.equal(bits(q), bits(q_ref)) and torch.equal(s, s_ref)
+    q_ref, s_ref = quantize_rows_ref(x.cpu())
+    assert torch.equal(bits(q.cpu()), bits(q_ref)) and torch.equal(s.cpu(), s_ref)
 
 
 def test_reference_is_nearest_e4m3_value_of_each_scaled_element():
