@@ -12,10 +12,16 @@ Scales are per row on both sides, so a token's output never depends on the other
 greedy speculative output equal to plain greedy output. Zero rows get the scale ``MIN_AMAX / FP8_MAX``
 and quantise to zeros.
 
-On CUDA with bf16 inputs the product is ``torch._scaled_mm`` with row-wise scales (``scale_a
-[M, 1]``, ``scale_b [1, N]`` float32, ``mat2`` column-major, K and N multiples of 16, bf16 out) and
-the activation quantisation is the Triton kernel below; elsewhere (CPU, float32 activations) both
-run as the torch reference, which computes the formula above in float32.
+On CUDA with bf16 inputs the activation quantisation is the Triton kernel below and the product
+``torch._scaled_mm`` (``mat2`` column-major, K and N multiples of 16), one of two ways by M, the
+rows of the step (static in a captured graph):
+- M <= ``UNSCALED_MAX_M``: the integer product with unit scales into float32 (cuBLASLt's FP8 GEMM),
+  then the scales and the cast in one Triton kernel (``scale_out``);
+- larger M: row-wise scales inside the GEMM (``scale_a [M, 1]``, ``scale_b [1, N]``, bf16 out),
+  which on an H200 (torch 2.11) ran 1.3-2x slower than the first way at M <= 64 and faster than
+  bf16 from M = 256 on (benchmarks/targets_probe.py).
+Elsewhere (CPU, float32 activations) everything runs as the torch reference, the formula above in
+float32.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_AMAX = 1e-12  # row maximum used for an all-zero row (keeps the scale finite and non-zero)
 ALIGN = 16  # _scaled_mm: K and N must be multiples of this
+UNSCALED_MAX_M = 128  # up to this many rows: unit-scale GEMM into float32, then scale_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,11 +51,18 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def scale_out_ref(
+    acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """acc [M, N] float32 integer-product sums -> acc * s_x [M, 1] * s_w [N], cast to ``dtype``."""
+    return (acc * s_x * s_w[None, :]).to(dtype)
+
+
 def fp8_linear_ref(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
     """x [M, K], q_w [N, K] e4m3, s_w [N] float32 -> [M, N] in x's dtype (the formula above)."""
     q_x, s_x = quantize_rows_ref(x)
     acc = q_x.float() @ q_w.float().t()  # [M, N]
-    return (acc * s_x * s_w[None, :]).to(x.dtype)
+    return scale_out_ref(acc, s_x, s_w, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,14 +71,18 @@ def fp8_linear_ref(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> tor
 
 @triton.jit
 def _round_to_e4m3(v):
-    """Round fp32 ``v`` (|v| <= FP8_MAX) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
-    The result is exactly representable, so the final cast does not round (Triton's interpreter
-    rounds some values at a binade's top to the binade below)."""
+    """Round fp32 ``v`` (|v| <= FP8_MAX) to the nearest e4m3 value, ties to even, in fp32 arithmetic
+    that is exact on every backend (multiplications by powers of two, one rounding add). The result
+    is representable, so the final cast does not round (Triton's interpreter rounds some values at a
+    binade's top to the binade below)."""
     mag = tl.abs(v)
     exponent = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = tl.maximum(exponent, -6)  # e4m3 subnormals: spacing 2**-9 below 2**-6
-    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    mag = ((mag / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2**23: round half to even
+    exponent = (
+        tl.maximum(exponent, -6) - 3
+    )  # 3 mantissa bits; subnormals: spacing 2**-9 below 2**-6
+    ulp = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    mag = ((mag * inv_ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2**23: round half to even
     return tl.where(v.to(tl.int32, bitcast=True) < 0, -mag, mag)  # the sign bit, -0.0 included
 
 
@@ -89,12 +107,13 @@ def _quantize_rows_kernel(
     for start in range(0, n_cols, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < n_cols, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_VALUE) / FP8_MAX_VALUE
+    # IEEE divisions (tl.div_rn), as torch's: "/" on fp32 compiles to an approximate division on GPUs
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX_VALUE), FP8_MAX_VALUE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK_K):
         mask = start + cols < n_cols
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX_VALUE, FP8_MAX_VALUE)  # IEEE division, as torch
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX_VALUE, FP8_MAX_VALUE)
         q = _round_to_e4m3(q)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -144,8 +163,76 @@ def quantize_rows(
     return q, scale
 
 
+@triton.jit
+def _scale_out_kernel(
+    # Pointers
+    acc_ptr,  # [M, N] float32
+    s_x_ptr,  # [M, 1] float32
+    s_w_ptr,  # [N] float32
+    y_ptr,  # [M, N] bf16/fp16/fp32, output
+    # Dimensions
+    n_cols,
+    # Meta-parameters
+    TO_BF16: tl.constexpr,  # y is bf16 (else float32)
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    acc = tl.load(acc_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    y = acc * tl.load(s_x_ptr + row) * tl.load(s_w_ptr + cols, mask=mask, other=0.0)
+    if TO_BF16:  # round to nearest even in integer arithmetic (Triton's interpreter truncates)
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the high 16 bits
+        y = bits.to(tl.float32, bitcast=True)  # a bf16 value: the cast below is exact
+    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_out(
+    acc: torch.Tensor, s_x: torch.Tensor, s_w: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Same as :func:`scale_out_ref`, one kernel launch. Capturable."""
+    check(
+        acc.ndim == 2 and acc.dtype == torch.float32 and acc.is_contiguous(),
+        "acc",
+        f"must be contiguous [M, N] float32, got {tuple(acc.shape)} {acc.dtype}",
+    )
+    m, n = acc.shape
+    check(
+        s_x.shape == (m, 1) and s_x.dtype == torch.float32 and s_x.is_contiguous(),
+        "s_x",
+        f"must be contiguous [{m}, 1] float32",
+    )
+    check(
+        s_w.shape == (n,) and s_w.dtype == torch.float32 and s_w.is_contiguous(),
+        "s_w",
+        f"must be contiguous [{n}] float32",
+    )
+    check(
+        dtype in (torch.bfloat16, torch.float32), "dtype", f"must be bf16 or float32, got {dtype}"
+    )
+    y = torch.empty(m, n, dtype=dtype, device=acc.device)
+    if m == 0:
+        return y
+    block = min(triton.next_power_of_2(max(n, 16)), 1024)
+    _scale_out_kernel[(m, triton.cdiv(n, block))](
+        acc, s_x, s_w, y, n, TO_BF16=dtype == torch.bfloat16, BLOCK_N=block, num_warps=4
+    )
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
 # Linear layer
+
+_UNIT: dict[torch.device, torch.Tensor] = {}  # a float32 1.0 per device: _scaled_mm's unit scales
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    if device not in _UNIT:
+        if torch.cuda.is_current_stream_capturing():  # it would live in the graph's private pool
+            raise RuntimeError("fp8_linear: run it once before capturing a CUDA graph")
+        _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _UNIT[device]
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,5 +268,10 @@ def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> torch.T
     if not scaled_mm_ok(x2, q_w):
         return fp8_linear_ref(x2, q_w, s_w).view(*x.shape[:-1], n)
     q_x, s_x = quantize_rows(x2 if x2.stride(-1) == 1 else x2.contiguous())
-    y = torch._scaled_mm(q_x, q_w.t(), scale_a=s_x, scale_b=s_w.view(1, n), out_dtype=x.dtype)
+    if x2.shape[0] <= UNSCALED_MAX_M:
+        one = _unit(x.device)
+        acc = torch._scaled_mm(q_x, q_w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = scale_out(acc, s_x, s_w, x.dtype)
+    else:
+        y = torch._scaled_mm(q_x, q_w.t(), scale_a=s_x, scale_b=s_w.view(1, n), out_dtype=x.dtype)
     return y.view(*x.shape[:-1], n)

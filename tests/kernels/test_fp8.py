@@ -16,6 +16,8 @@ from spectune.kernels.fp8 import (
     quantize_rows,
     quantize_rows_ref,
     quantize_weight,
+    scale_out,
+    scale_out_ref,
 )
 from spectune.kernels.kv_cache import KernelInputError
 
@@ -80,6 +82,18 @@ def test_kernel_reads_a_strided_input_and_writes_into_given_buffers():
     assert q is out[0] and s is out[1]
     q_ref, s_ref = quantize_rows_ref(x.cpu())
     assert torch.equal(bits(q.cpu()), bits(q_ref)) and torch.equal(s.cpu(), s_ref)
+
+
+@pytest.mark.parametrize("m, n", [(1, 16), (3, 1000), (7, 4097), (2, 24576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scale_out_kernel_matches_reference_bit_for_bit(m, n, dtype):
+    g = torch.Generator().manual_seed(m * n)
+    acc = torch.randn(m, n, generator=g) * 1e5  # integer-product sums are large
+    s_x = torch.rand(m, 1, generator=g) * 1e-2
+    s_w = torch.rand(n, generator=g) * 1e-3
+    got = scale_out(acc.to(DEVICE), s_x.to(DEVICE), s_w.to(DEVICE), dtype).cpu()
+    want = scale_out_ref(acc, s_x, s_w, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_reference_is_nearest_e4m3_value_of_each_scaled_element():
@@ -161,7 +175,7 @@ def test_fp8_linear_keeps_leading_dims_and_names_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 7, 128, 1000])
+@pytest.mark.parametrize("m", [1, 7, 128, 129, 1000])  # both sides of UNSCALED_MAX_M
 @pytest.mark.parametrize("k, n", [(4096, 6144), (12288, 4096), (256, 151936)])
 def test_scaled_mm_path_matches_reference_on_cuda(m, k, n):
     x = rand(m, k, seed=m, dtype=torch.bfloat16).cuda()
