@@ -70,27 +70,28 @@ def fp8_linear_ref(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> tor
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """Round fp32 ``v`` (|v| <= FP8_MAX) to the nearest e4m3 value, ties to even, in fp32 arithmetic
-    that is exact on every backend (multiplications by powers of two, one rounding add). The result
-    is representable, so the final cast does not round (Triton's interpreter rounds some values at a
-    binade's top to the binade below)."""
+def _e4m3_bits(v):
+    """fp32 ``v`` (|v| <= FP8_MAX) -> the e4m3 bits of its nearest value, ties to even, as uint8.
+    The magnitude is rounded in fp32 arithmetic that is exact on every backend (products with
+    powers of two, one rounding add), so its cast to e4m3 rounds nothing (Triton's interpreter
+    rounds some values at a binade's top to the binade below); the sign bit is set by hand (the
+    GPU cast writes -0.0 as +0.0)."""
+    bits = v.to(tl.int32, bitcast=True)
     mag = tl.abs(v)
-    exponent = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = (
-        tl.maximum(exponent, -6) - 3
-    )  # 3 mantissa bits; subnormals: spacing 2**-9 below 2**-6
+    # spacing of e4m3 values at |v|: 2**(exponent - 3), subnormals 2**-9 below 2**-6
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
     ulp = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     inv_ulp = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
     mag = ((mag * inv_ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2**23: round half to even
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -mag, mag)  # the sign bit, -0.0 included
+    mag_bits = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return mag_bits | ((bits >> 24) & 0x80).to(tl.uint8)
 
 
 @triton.jit
 def _quantize_rows_kernel(
     # Pointers
     x_ptr,  # [M, K] bf16/fp16/fp32, last dim contiguous
-    q_ptr,  # [M, K] e4m3, output
+    q_ptr,  # [M, K] uint8 view of the e4m3 output
     scale_ptr,  # [M, 1] float32, output
     # Dimensions
     n_cols,
@@ -114,8 +115,7 @@ def _quantize_rows_kernel(
         mask = start + cols < n_cols
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX_VALUE, FP8_MAX_VALUE)
-        q = _round_to_e4m3(q)
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * stride_q + start + cols, _e4m3_bits(q), mask=mask)
 
 
 def quantize_rows(
@@ -150,7 +150,7 @@ def quantize_rows(
         return q, scale
     _quantize_rows_kernel[(m,)](
         x,
-        q,
+        q.view(torch.uint8),
         scale,
         k,
         x.stride(0),
