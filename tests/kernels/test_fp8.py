@@ -178,12 +178,13 @@ def test_fp8_linear_keeps_leading_dims_and_names_bad_inputs():
 @pytest.mark.parametrize("m", [1, 7, 128, 129, 1000])  # both sides of UNSCALED_MAX_M
 @pytest.mark.parametrize("k, n", [(4096, 6144), (12288, 4096), (256, 151936)])
 def test_scaled_mm_path_matches_reference_on_cuda(m, k, n):
-    x = rand(m, k, seed=m, dtype=torch.bfloat16).cuda()
-    q_w, s_w = quantize_weight(torch.randn(n, k, device="cuda") / k**0.5)
-    q, s = quantize_rows(x)
+    # the reference runs on the CPU: torch's CUDA division by a scalar multiplies by its reciprocal
+    x = rand(m, k, seed=m, dtype=torch.bfloat16)
+    q_w, s_w = quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(k)) / k**0.5)
+    q, s = quantize_rows(x.cuda())
     q_ref, s_ref = quantize_rows_ref(x)
-    assert torch.equal(bits(q), bits(q_ref)) and torch.equal(s, s_ref)
-    got = fp8_linear(x, q_w, s_w)
+    assert torch.equal(bits(q.cpu()), bits(q_ref)) and torch.equal(s.cpu(), s_ref)
+    got = fp8_linear(x.cuda(), q_w.cuda(), s_w.cuda()).cpu()
     want = fp8_linear_ref(x, q_w, s_w)
     torch.testing.assert_close(
         got.float(), want.float(), rtol=2**-7, atol=1e-3 * float(want.abs().max())
