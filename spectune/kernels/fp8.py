@@ -71,11 +71,11 @@ def fp8_linear_ref(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> tor
 
 @triton.jit
 def _e4m3_bits(v):
-    """fp32 ``v`` (|v| <= FP8_MAX) -> the e4m3 bits of its nearest value, ties to even, as uint8.
-    The magnitude is rounded in fp32 arithmetic that is exact on every backend (products with
-    powers of two, one rounding add), so its cast to e4m3 rounds nothing (Triton's interpreter
-    rounds some values at a binade's top to the binade below); the sign bit is set by hand (the
-    GPU cast writes -0.0 as +0.0)."""
+    """fp32 ``v`` (|v| <= FP8_MAX) -> the e4m3fn bits of its nearest value, ties to even, as uint8,
+    in integer and exact fp32 arithmetic only (products with powers of two, one rounding add): no
+    fp8 cast, whose results differ between Triton's interpreter (some values at a binade's top
+    rounded down a binade) and the GPU (-0.0 written as +0.0; odd elements lost when a thread
+    holds two, Triton 3.6)."""
     bits = v.to(tl.int32, bitcast=True)
     mag = tl.abs(v)
     # spacing of e4m3 values at |v|: 2**(exponent - 3), subnormals 2**-9 below 2**-6
@@ -83,8 +83,14 @@ def _e4m3_bits(v):
     ulp = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     inv_ulp = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
     mag = ((mag * inv_ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2**23: round half to even
-    mag_bits = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return mag_bits | ((bits >> 24) & 0x80).to(tl.uint8)
+    # mag is an e4m3 value: normal -> (exponent + 7) << 3 | top 3 mantissa bits; subnormal -> mag / 2**-9
+    mag_bits = mag.to(tl.int32, bitcast=True)
+    normal = ((((mag_bits >> 23) & 0xFF) - 120) << 3) | ((mag_bits >> 20) & 0x7)
+    subnormal = (mag * 512.0).to(tl.int32)
+    out = tl.where(mag >= 0.015625, normal, subnormal) | (
+        (bits >> 24) & 0x80
+    )  # 2**-6; the sign bit
+    return out.to(tl.uint8)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ def rand(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("m, k", [(1, 16), (3, 100), (5, 4096), (2, 4097), (7, 9000), (33, 48)])
+@pytest.mark.parametrize("m, k", [(1, 16), (3, 100), (4, 256), (5, 4096), (2, 4097), (7, 9000), (33, 48)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel_matches_reference_bit_for_bit(m, k, dtype):
     x = rand(m, k, seed=m * k, dtype=dtype)
