@@ -27,7 +27,7 @@ from spectune.cli_support import (
     show_lines,
 )
 from spectune.errors import SpectuneError
-from spectune.runtime.table import MAX_BATCH, MAX_CONTEXT, MAX_K
+from spectune.runtime.table import DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_K
 
 
 class UsageError(Exception):
@@ -41,15 +41,17 @@ class UsageError(Exception):
 def _add_workload_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--target", default=None, type=nonempty,
-                   help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a local "
+                   help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, qwen3-32b, llama-3.1-8b) or a local "
                         "Hugging Face checkpoint folder (config.json gives the shapes); default tiny, "
                         "or the joined study's")
     g.add_argument("--drafter", default=None, type=nonempty,
                    help="eagle-<N>l (autoregressive EAGLE/MTP-style, N decoder layers) or "
                         "dflash-<N>l (parallel block drafter); default eagle-1l, or the joined study's")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
-    g.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="default bfloat16 on CUDA, float32 on CPU; fp8: the target's projections in "
+                        "e4m3 (per-channel weight and per-token activation scales), activations, "
+                        "attention, KV cache and drafter in bfloat16")
     g.add_argument("--batch-sizes", default=None,
                    help="range or list, e.g. 1-256 or 1,2,4,8 (default 1-256 on CUDA, 1-16 on CPU)")
     g.add_argument("--max-k", type=number(int, 1, MAX_K), default=None,
@@ -471,8 +473,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                                   "on CUDA, tiny on CPU)")
     p.add_argument("--drafter", default=None, help="drafter whose cost is paid (default: the policy's)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default: the policy's on CUDA, float32 on CPU; float32 on CUDA runs with TF32 "
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="default: the policy's on CUDA, float32 on CPU; fp8 as in profile; float32 on CUDA runs with TF32 "
                         "off: the exactness gate (docs/BENCH_METHOD.md)")
     p.add_argument("--time-limit", type=POSITIVE, default=None,
                    help="seconds per timed (concurrency, arm) run; unfinished requests count as failed "

@@ -77,3 +77,34 @@ def test_two_gpu_script_dry_run_on_cpu(tmp_path):
     res = json.loads((tmp_path / "profile_two_gpus.json").read_text())["one_vs_two"]
     assert res["dry_run"] and res["mode"] == "cpu" and res["compare"]["duplicates"] == [0, 0]
     assert res["compare"]["grid_and_held_out_equal"] and sum(w["points"] for w in res["workers"]) == res["compare"]["points"][1]
+
+
+def test_targets_probe_quick_path_on_cpu(tmp_path, monkeypatch, capsys):
+    mod = load("targets_probe")
+    real_step = mod.target_step
+
+    def flaky_step(model, *, batch, **kw):  # one bad point must not end its target
+        if batch == 3:
+            raise RuntimeError("injected failure\nsecond line")
+        return real_step(model, batch=batch, **kw)
+
+    monkeypatch.setattr(mod, "target_step", flaky_step)
+    assert mod.main(["--device", "cpu", "--target", "tiny,tiny:fp8,no-such-model", "--batches", "1,3",
+                     "--context-len", "16", "--copy-mib", "1", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "targets_probe.json").read_text())
+    bw = res["bandwidth"]
+    assert bw["read_gbps"] > 0 and bw["copy_gbps"] > 0 and bw["bytes"] == 2**20
+    plain, fp8, bad = res["targets"]
+    assert (plain["label"], fp8["label"]) == ("tiny:bf16", "tiny:fp8") and fp8["fp8"]
+    assert "no-such-model" in bad["error"] and bad["points"] == []
+    assert fp8["weight_read_bytes"] < plain["weight_read_bytes"]
+    for t in (plain, fp8):
+        ok, failed = t["points"]
+        assert ok["batch"] == 1 and ok["ms"] > 0 and ok["mode"] == "wall-clock"
+        assert ok["weight_floor_ms"] == pytest.approx(t["weight_read_bytes"] / (bw["read_gbps"] * 1e9) * 1e3)
+        kv = 16 * t["kv_bytes_per_token"]
+        assert ok["weight_kv_floor_ms"] == pytest.approx((t["weight_read_bytes"] + kv) / (bw["read_gbps"] * 1e9) * 1e3)
+        assert failed["batch"] == 3 and failed["error"] == "RuntimeError: injected failure" and "ms" not in failed
+    assert res["gemm"] == []  # CUDA only
+    out = capsys.readouterr().out
+    assert "tiny:fp8" in out and "injected failure" in out

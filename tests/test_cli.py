@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 
 from spectune.cli import main
@@ -34,6 +35,22 @@ def test_profile_rerun_resumes_without_measuring(profile, capsys):
     before = yaml.safe_load(profile.read_text())["costs"]["points"]
     assert main(["profile", "--target", "tiny", "--out", str(profile), *SMALL]) == 0
     assert yaml.safe_load(profile.read_text())["costs"]["points"] == before
+
+
+def test_profile_with_fp8_target_projections(tmp_path, monkeypatch, capsys):
+    from spectune.models import build
+
+    built = []
+    real = build.build_models
+    monkeypatch.setattr(build, "build_models", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    out = tmp_path / "fp8.yaml"
+    assert main(["profile", "--target", "tiny", "--dtype", "fp8", "--out", str(out), *SMALL]) == 0
+    (models,) = built
+    assert models.fp8 and models.dtype is torch.bfloat16
+    assert type(models.target.layers[0].attn.wqkv).__name__ == "Fp8Linear"
+    assert type(models.drafter.layers[0].attn.wqkv).__name__ == "Parameter"  # the drafter stays bf16
+    assert yaml.safe_load(out.read_text())["workload"]["dtype"] == "fp8"
+    assert main(["validate", str(out)]) == 0
 
 
 def test_show(profile, capsys):

@@ -39,6 +39,7 @@ from spectune.autotune.measurement_study import (
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
 from spectune.runtime.table import (
+    DTYPES,
     MAX_BATCH,
     SCHEMA,
     CapturePoint,
@@ -164,8 +165,8 @@ def resolve(config: ProfileConfig) -> Resolved:
     if trials < 0:
         raise ProfileError(f"--trials: must be >= 0, got {trials}")
     dtype = config.dtype or d.dtype
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ProfileError(f"--dtype: must be bfloat16, float16 or float32, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ProfileError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(config.out) if config.out else None
     if out is None:
         target = config.target or DEFAULT_TARGET
@@ -214,12 +215,12 @@ def overhead_step(*, batch: int, tokens: int, max_k: int, context_len: int, devi
 def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
     """Build the models once; return ``measure_point(spec) -> StepFn``."""
     from spectune.models.build import build_models
-    from spectune.models.config import parse_drafter, resolve_target
+    from spectune.models.config import parse_drafter, parse_dtype, resolve_target
 
     target, drafter = resolve_target(r.target), parse_drafter(r.drafter)
-    models = build_models(target, drafter, device=r.device, dtype=getattr(torch, r.dtype),
-                          max_batch=r.batch_sizes[-1], max_q=r.max_k + 1, context_len=r.context_len,
-                          seed=r.seed)
+    dtype, fp8 = parse_dtype(r.dtype)
+    models = build_models(target, drafter, device=r.device, dtype=dtype, max_batch=r.batch_sizes[-1],
+                          max_q=r.max_k + 1, context_len=r.context_len, seed=r.seed, fp8=fp8)
 
     def measure_point(spec: PointSpec) -> Any:
         if spec.kind == "target":

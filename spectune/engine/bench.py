@@ -74,6 +74,7 @@ from spectune.kernels.attention import verify_attention_ref
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
 from spectune.runtime.planner import Planner, load
+from spectune.runtime.table import DTYPES
 
 DEFAULT_REPEATS = 3  # interleaved timed runs per (concurrency, arm)
 
@@ -266,7 +267,7 @@ def resolve_served(config: BenchConfig, planner: Planner, acceptance: str | None
 def build(config: BenchConfig, planner: Planner, device: torch.device, concurrency: Sequence[int],
           fixed: Sequence[int], auto: bool, n_requests: int, prompt_len: int, max_new: int) -> Setup:
     from spectune.models.build import build_models, fit_cache, fit_paged_cache
-    from spectune.models.config import parse_drafter, resolve_target
+    from spectune.models.config import parse_drafter, parse_dtype, resolve_target
     from spectune.models.decisive import DecisiveLogits
     from spectune.models.paged import PagedTritonAttention
 
@@ -279,11 +280,12 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     max_len = prompt_len + max_new + max_k + KV_SLACK
     per_request = -(-max_len // BLOCK_SIZE)
     num_blocks = 1 + max_batch * per_request
-    models = build_models(args, spec, device=device, dtype=getattr(torch, dtype), max_batch=max_batch,
-                          max_q=max_k + 1, context_len=max_len, seed=config.seed)
+    act_dtype, fp8 = parse_dtype(dtype)
+    models = build_models(args, spec, device=device, dtype=act_dtype, max_batch=max_batch,
+                          max_q=max_k + 1, context_len=max_len, seed=config.seed, fp8=fp8)
     backend = PagedTritonAttention if cuda else TorchPagedAttention
     models.target.backend = backend(args.n_layers, num_blocks, BLOCK_SIZE, args.n_kv_heads, args.head_dim,
-                                    getattr(torch, dtype), device)
+                                    act_dtype, device)
     parallel = spec.kind == "parallel"
     if cuda:  # the drafter pays what the profile measured: the same paged Triton attention
         fit_paged_cache(models.drafter, spec.n_layers, batch=max_batch, ctx_max=max_len,
@@ -292,7 +294,7 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
         fit_cache(models.drafter, spec.n_layers, batch=max_batch, ctx_max=max_len + max_k,
                   max_q=max(max_k, 1) if parallel else 1, causal=not parallel)
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    hidden = torch.randn(max_batch, args.dim, generator=gen, device=device).to(getattr(torch, dtype))
+    hidden = torch.randn(max_batch, args.dim, generator=gen, device=device).to(act_dtype)
     prior = tuned_prior(table)
     replay = ReplayDrafter(max_requests=n_requests, max_len=max_new, max_k=max(max_k, 1),
                            vocab_size=args.vocab_size, device=device, cost_drafter=models.drafter,
@@ -332,8 +334,8 @@ def load_replay(setup: Setup, served: Served, references: Sequence[Sequence[int]
 
 
 def decisive_for(config: BenchConfig, dtype: str) -> bool:
-    """Random-weight 16-bit targets get decisive logits unless the user says otherwise."""
-    return config.decisive if config.decisive is not None else dtype in ("bfloat16", "float16")
+    """Random-weight 16-bit (and FP8: bf16 logits) targets get decisive logits unless the user says otherwise."""
+    return config.decisive if config.decisive is not None else dtype in ("bfloat16", "float16", "fp8")
 
 
 def _table_acceptance(table: Any) -> AcceptanceModel | None:
@@ -424,8 +426,8 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
                           ("--prompts", min(counts.values()))):
         if value < 1:
             raise BenchError(f"{option}: must be >= 1, got {value}")
-    if config.dtype not in (None, "bfloat16", "float16", "float32"):
-        raise BenchError(f"--dtype: must be bfloat16, float16 or float32, got {config.dtype!r}")
+    if config.dtype is not None and config.dtype not in DTYPES:
+        raise BenchError(f"--dtype: must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     if config.arms is not None:
         parse_arms(config.arms)
     planner = load(config.policy, on_gpu_mismatch="warn")

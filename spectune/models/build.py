@@ -27,7 +27,7 @@ from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import blocks_needed
 from spectune.models.attention import AttnMode, DenseTorchAttention
 from spectune.models.config import DrafterSpec, ModelArgs, ModelError
-from spectune.models.decoder import Transformer
+from spectune.models.decoder import Transformer, quantize_linears_
 from spectune.models.drafters import BlockDrafter, EagleDrafter, make_drafter
 from spectune.models.paged import PagedTritonAttention
 
@@ -231,6 +231,7 @@ class Models:
     max_q: int
     context_len: int
     attention: Literal["triton", "torch"] = "torch"  # resolved backend of every step
+    fp8: bool = False  # the target's projections in e4m3 (the drafter stays in ``dtype``)
 
     @property
     def attention_name(self) -> str:
@@ -268,16 +269,29 @@ class Models:
         free_device_memory(self.device)
 
 
+def build_target(args: ModelArgs, *, device: torch.device | str, dtype: torch.dtype, fp8: bool = False,
+                 generator: torch.Generator | None = None) -> Transformer:
+    """The target with random weights on ``device``; ``fp8``: its projections quantised to e4m3
+    (per output channel, ``kernels/fp8.py``), embeddings, norms and lm_head left in ``dtype``."""
+    dev = torch.device(device)
+    model = Transformer(args, None, device=dev, dtype=dtype, generator=generator)
+    if fp8:
+        quantize_linears_(model)
+        free_device_memory(dev)
+    return model
+
+
 def build_models(target: ModelArgs, drafter: DrafterSpec, *, device: torch.device | str,
                  dtype: torch.dtype, max_batch: int, max_q: int, context_len: int,
-                 seed: int = 0, attention: AttentionChoice = "auto") -> Models:
+                 seed: int = 0, attention: AttentionChoice = "auto", fp8: bool = False) -> Models:
     """Allocate the target and drafter weights once on ``device`` (random, seeded). ``attention``:
-    "auto" (Triton paged on CUDA, torch folded elsewhere), "triton" or "torch"."""
+    "auto" (Triton paged on CUDA, torch folded elsewhere), "triton" or "torch". ``fp8``: the
+    target's projections in e4m3 with ``dtype`` activations; the drafter stays in ``dtype``."""
     _check_positive(max_batch=max_batch, max_q=max_q, context_len=context_len)
     dev = torch.device(device)
     kind = resolve_attention(attention, dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    model = Transformer(target, None, device=dev, dtype=dtype, generator=gen)
+    model = build_target(target, device=dev, dtype=dtype, fp8=fp8, generator=gen)
     draft = make_drafter(target, drafter, None, target=model, device=dev, dtype=dtype, generator=gen)
     return Models(args=target, spec=drafter, target=model, drafter=draft, device=dev, dtype=dtype,
-                  max_batch=max_batch, max_q=max_q, context_len=context_len, attention=kind)
+                  max_batch=max_batch, max_q=max_q, context_len=context_len, attention=kind, fp8=fp8)

@@ -78,6 +78,8 @@ PRESETS: dict[str, ModelArgs] = {
     "qwen3-0.6b": _qwen3("qwen3-0.6b", dim=1024, n_layers=28, n_heads=16, inter=3072, tie=True),
     "qwen3-4b": _qwen3("qwen3-4b", dim=2560, n_layers=36, n_heads=32, inter=9728, tie=True),
     "qwen3-8b": _qwen3("qwen3-8b", dim=4096, n_layers=36, n_heads=32, inter=12288, tie=False),
+    "qwen3-32b": _qwen3("qwen3-32b", dim=5120, n_layers=64, n_heads=64, inter=25600, tie=False),
+    # Llama 3.1's rope_scaling (llama3, factor 8) changes the frequencies, not the cost: not modelled
     "llama-3.1-8b": ModelArgs("llama-3.1-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
                               n_kv_heads=8, head_dim=128, intermediate_size=14336, rms_eps=1e-5,
                               rope_theta=500000.0, tie_embeddings=False, qk_norm=False),
@@ -188,17 +190,48 @@ def parse_drafter(s: str) -> DrafterSpec:
     return DrafterSpec(f"{m['family']}-{layers}l", kind, layers)
 
 
+# workload dtype name -> (activation dtype, target projections in FP8); the names are the table's
+# ``workload.dtype`` choices (runtime/table.py DTYPES)
+DTYPES: dict[str, tuple[torch.dtype, bool]] = {
+    "bfloat16": (torch.bfloat16, False),
+    "float16": (torch.float16, False),
+    "float32": (torch.float32, False),
+    "fp8": (torch.bfloat16, True),  # e4m3 projections; activations, attention, KV, drafter bf16
+}
+
+
+def parse_dtype(name: str) -> tuple[torch.dtype, bool]:
+    """``"fp8"`` -> (torch.bfloat16, True); ``"float32"`` -> (torch.float32, False)."""
+    if name not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def layer_params(args: ModelArgs) -> int:
-    """Parameters of one decoder layer (fused qkv, o, gate/up, down, two norms, q/k norms)."""
+def projection_outputs(args: ModelArgs) -> int:
+    """Output channels of one decoder layer's projections (fused qkv, o, gate/up, down): the
+    per-channel scales an FP8 layer keeps."""
+    return (args.n_heads + 2 * args.n_kv_heads) * args.head_dim + args.dim + 2 * args.intermediate_size + args.dim
+
+
+def projection_params(args: ModelArgs) -> int:
+    """Parameters of one decoder layer's projections (what ``--dtype fp8`` stores in e4m3)."""
     attn = args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     attn += args.n_heads * args.head_dim * args.dim
-    mlp = 3 * args.dim * args.intermediate_size
-    norms = 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
-    return attn + mlp + norms
+    return attn + 3 * args.dim * args.intermediate_size
+
+
+def norm_params(args: ModelArgs) -> int:
+    """One decoder layer's norm weights: two RMSNorms over dim, q/k RMSNorms over head_dim."""
+    return 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
+
+
+def layer_params(args: ModelArgs) -> int:
+    """Parameters of one decoder layer (fused qkv, o, gate/up, down, two norms, q/k norms)."""
+    return projection_params(args) + norm_params(args)
 
 
 def param_count(args: ModelArgs) -> int:
@@ -209,6 +242,16 @@ def param_count(args: ModelArgs) -> int:
 
 def weight_bytes(args: ModelArgs, dtype: torch.dtype = torch.bfloat16) -> int:
     return param_count(args) * _dtype_bytes(dtype)
+
+
+def weight_read_bytes(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False) -> int:
+    """Weight bytes one target step reads: every layer's projections (1 byte each and a float32
+    scale per output channel with ``fp8``) and norms, the final norm and the lm_head (the tied
+    embedding when there is none). The embedding table is read only at the step's tokens: left out."""
+    width = _dtype_bytes(dtype)
+    proj = projection_params(args) + 4 * projection_outputs(args) if fp8 else projection_params(args) * width
+    head = args.vocab_size * args.dim + args.dim  # lm_head (or tied embedding) + final norm
+    return args.n_layers * (proj + norm_params(args) * width) + head * width
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,

@@ -3,7 +3,9 @@
 ``Transformer(args, backend)(input_ids [T], positions [T], meta) -> logits [T, vocab]``. Attention
 goes through an injected backend (see ``spectune.models.attention``) that owns the KV cache.
 Weights are created empty on the target device and filled in place (``normal_``), so even a 16 GB
-model builds in seconds on a GPU; no default module initialisers run.
+model builds in seconds on a GPU; no default module initialisers run. ``quantize_linears_`` then
+turns a model's decoder-layer projections into FP8 (``Fp8Linear``, maths in ``kernels/fp8.py``);
+embeddings, norms and the lm_head stay in the activation dtype, as FP8 checkpoints keep them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spectune.kernels.attention_metadata import AttnMeta
+from spectune.kernels.fp8 import fp8_linear, quantize_weight
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import ModelArgs
 
@@ -23,6 +26,29 @@ Device = torch.device | str | None
 
 def _empty(*shape: int, device: Device, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Fp8Linear(nn.Module):
+    """A projection weight [N, K] held as e4m3 with one float32 scale per output channel."""
+
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        q, scale = quantize_weight(weight)
+        self.qweight: Tensor
+        self.scale: Tensor
+        self.register_buffer("qweight", q)  # [N, K] float8_e4m3fn
+        self.register_buffer("scale", scale)  # [N] float32
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.qweight, self.scale)
+
+
+Weight = nn.Parameter | Fp8Linear
+PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # the weights quantize_linears_ turns into FP8
+
+
+def linear(x: Tensor, w: Weight) -> Tensor:
+    return w(x) if isinstance(w, Fp8Linear) else F.linear(x, w)
 
 
 class RMSNorm(nn.Module):
@@ -61,8 +87,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = _empty(qkv_out, args.dim, device=device, dtype=dtype)  # fused q, k, v
-        self.wo = _empty(args.dim, args.n_heads * args.head_dim, device=device, dtype=dtype)
+        self.wqkv: Weight = _empty(qkv_out, args.dim, device=device, dtype=dtype)  # fused q, k, v
+        self.wo: Weight = _empty(args.dim, args.n_heads * args.head_dim, device=device, dtype=dtype)
         self.q_norm = RMSNorm(args.head_dim, args.rms_eps, device=device, dtype=dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_eps, device=device, dtype=dtype) if args.qk_norm else None
 
@@ -70,7 +96,7 @@ class Attention(nn.Module):
                 backend: AttentionBackend, layer: int) -> Tensor:
         t = x.shape[0]  # x: [T, dim]
         hq, hkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self.wqkv).split([hq, hkv, hkv], dim=-1)
+        q, k, v = linear(x, self.wqkv).split([hq, hkv, hkv], dim=-1)
         q = q.view(t, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.n_kv_heads, self.head_dim)
@@ -78,19 +104,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = backend(layer, q, k, v, meta)  # [T, H, D]
-        return F.linear(o.reshape(t, hq), self.wo)
+        return linear(o.reshape(t, hq), self.wo)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, *, device: Device = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.inter = args.intermediate_size
-        self.w13 = _empty(2 * args.intermediate_size, args.dim, device=device, dtype=dtype)  # gate, up
-        self.w2 = _empty(args.dim, args.intermediate_size, device=device, dtype=dtype)
+        self.w13: Weight = _empty(2 * args.intermediate_size, args.dim, device=device, dtype=dtype)  # gate, up
+        self.w2: Weight = _empty(args.dim, args.intermediate_size, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.w13).split([self.inter, self.inter], dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2)
+        gate, up = linear(x, self.w13).split([self.inter, self.inter], dim=-1)
+        return linear(F.silu(gate) * up, self.w2)
 
 
 class DecoderLayer(nn.Module):
@@ -123,6 +149,22 @@ def init_random_(module: nn.Module, n_layers: int, generator: torch.Generator | 
             if leaf in ("wo", "w2"):
                 std *= residual
             p.normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def quantize_linears_(module: nn.Module) -> None:
+    """Every attention and MLP projection of ``module`` to ``Fp8Linear``, in place; each
+    high-precision weight is dropped as soon as its FP8 copy exists (peak memory: the model plus
+    one weight in float32)."""
+    for layer in module.modules():
+        if not isinstance(layer, Attention | MLP):
+            continue
+        for name in PROJECTIONS:
+            weight = getattr(layer, name, None)
+            if isinstance(weight, nn.Parameter):
+                delattr(layer, name)
+                setattr(layer, name, Fp8Linear(weight.data))
+                del weight
 
 
 class Transformer(nn.Module):

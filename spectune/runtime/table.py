@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from spectune.errors import TableError
 from spectune.io import atomic_write_text
@@ -51,6 +51,10 @@ GAIN_SLACK = 1e-3  # rounding slack on a row's gain bound (gains are written to 
 
 DrafterKind = Literal["autoregressive", "parallel"]
 PointKind = Literal["target", "tier", "drafter", "overhead"]
+# fp8: the target's projections in e4m3 (per-channel weight, per-token activation scales), its
+# activations, attention, KV cache and the drafter in bfloat16
+Dtype = Literal["bfloat16", "float16", "float32", "fp8"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class Workload:
     drafter: str  # e.g. "eagle-1l", "dflash-1l"
     drafter_kind: DrafterKind
     drafter_layers: int
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: Dtype
     context_len: int
     max_k: int
     max_batch: int

@@ -92,13 +92,12 @@ class Rig:
     requests: list[Request]
 
 
-@pytest.fixture(scope="module")
-def rig():
+def make_rig(fp8: bool = False) -> Rig:
     args = ModelArgs.from_name("tiny")
     max_len = max(PROMPT_LENS) + MAX_NEW + MAX_K + 8
     blocks = 1 + MAX_BATCH * -(-max_len // BLOCK)
     models = build_models(args, parse_drafter("eagle-1l"), device="cpu", dtype=torch.float32,
-                          max_batch=MAX_BATCH, max_q=MAX_K + 1, context_len=max_len, seed=3)
+                          max_batch=MAX_BATCH, max_q=MAX_K + 1, context_len=max_len, seed=3, fp8=fp8)
     models.target.backend = TorchPagedAttention(args.n_layers, blocks, BLOCK, args.n_kv_heads, args.head_dim,
                                                 torch.float32, "cpu")
     fit_cache(models.drafter, 1, batch=MAX_BATCH, ctx_max=max_len + MAX_K, max_q=1)
@@ -113,6 +112,11 @@ def rig():
     requests = [Request(tuple(torch.randint(1, args.vocab_size, (n,), generator=g).tolist()), m)
                 for n, m in zip(PROMPT_LENS, MAX_NEWS, strict=True)]
     return Rig(engine, replay, proposer, models.target, requests)
+
+
+@pytest.fixture(scope="module")
+def rig():
+    return make_rig()
 
 
 def greedy_without_cache(target, prompt, n):
@@ -242,6 +246,22 @@ def test_fixed_policy_cuts_the_budget_to_the_largest_tier():
     cut = p.plan(5)
     assert cut.verify_budget == 3 and cut.tier == 8
     assert FixedPolicy(0, (4, 8)).plan(3).tier == 4
+
+
+def test_fp8_target_speculative_output_is_its_plain_greedy_output():
+    # FP8 projections (e4m3 weights, per-token activation scales) on the CPU reference path:
+    # every fixed K gives the same tokens as plain decoding with the same FP8 target
+    fp8 = make_rig(fp8=True)
+    assert type(fp8.target.layers[0].mlp.w13).__name__ == "Fp8Linear"
+    base = fp8.engine.run(fp8.requests, FixedPolicy(0, fp8.engine.tiers), concurrency=3)
+    assert all(base.done)
+    for i in (0, 1, 4):
+        assert base.outputs[i] == greedy_without_cache(fp8.target, fp8.requests[i].prompt, MAX_NEWS[i])
+    load_replay(fp8, base.outputs)
+    for arm, concurrency in (("fixed:3", 4), ("fixed:1", 3), ("fixed:2", 1)):
+        res = fp8.engine.run(fp8.requests, arm_policy(arm, fp8.engine.tiers), concurrency=concurrency)
+        assert res.outputs == base.outputs, arm
+        assert res.mean_accept_len is not None and res.mean_accept_len > 1.0
 
 
 @pytest.mark.gpu

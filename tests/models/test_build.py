@@ -192,3 +192,28 @@ def test_paged_drafter_serves_fewer_rows_than_allocated():
     for rows in (2, 1):
         ids, _ = models.drafter.propose(hidden[:rows], last[:rows], 3, context_lens=ctx[:rows])
         assert torch.equal(ids, full[:rows])
+
+
+@pytest.mark.gpu
+def test_fp8_target_on_cuda_runs_scaled_mm_in_a_graph_and_tracks_the_reference(monkeypatch):
+    from spectune.kernels import fp8 as fp8_kernels
+
+    models = build_models(ModelArgs.from_name("tiny"), parse_drafter("eagle-1l"), device="cuda",
+                          dtype=torch.bfloat16, max_batch=4, max_q=4, context_len=64, fp8=True)
+    wqkv = models.target.layers[0].attn.wqkv
+    x = torch.randn(3, models.args.dim, device="cuda", dtype=torch.bfloat16)
+    assert fp8_kernels.scaled_mm_ok(x, wqkv.qweight)  # tiny's widths are multiples of 16
+    step = models.target_step(batch=3, q=4)
+    step.run()  # warm-up (kernel compile) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step.run()
+    step.refresh()
+    graph.replay()
+    eager = step.run()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    monkeypatch.setattr(fp8_kernels, "scaled_mm_ok", lambda *a: False)  # the float32 reference path
+    ref = step.run()
+    rel = float((eager.float() - ref.float()).norm() / ref.float().norm())
+    assert rel < 0.02

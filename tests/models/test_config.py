@@ -1,10 +1,15 @@
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from spectune.errors import SpectuneError
+from spectune.kernels.attention_metadata import AttnMeta
+from spectune.models.attention import DenseTorchAttention
+from spectune.models.build import build_target
 from spectune.models.config import (
+    DTYPES,
     PRESETS,
     DrafterSpec,
     ModelArgs,
@@ -13,9 +18,13 @@ from spectune.models.config import (
     kv_bytes_per_token,
     param_count,
     parse_drafter,
+    parse_dtype,
+    projection_outputs,
     resolve_target,
     weight_bytes,
+    weight_read_bytes,
 )
+from spectune.runtime.table import DTYPES as TABLE_DTYPES
 
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
@@ -121,3 +130,72 @@ def test_parse_drafter(text, spec):
 def test_parse_drafter_rejects(text):
     with pytest.raises(ModelError, match="drafter"):
         parse_drafter(text)
+
+
+# published sizes (model cards): Qwen3-32B 32.8B, Llama-3.1-8B 8.03B parameters
+PUBLISHED = {"qwen3-32b": (32.7e9, 32.9e9), "llama-3.1-8b": (8.02e9, 8.04e9), "qwen3-8b": (8.1e9, 8.3e9)}
+
+
+def scaled_copy(args: ModelArgs, shrink: int) -> ModelArgs:
+    """The same layout (GQA group, head_dim ratio, q/k norm, tying) at 1/shrink of every width."""
+    return dataclasses.replace(args, name=f"{args.name}/{shrink}", vocab_size=args.vocab_size // (16 * shrink),
+                               dim=args.dim // shrink, n_layers=2, n_heads=max(args.n_heads // shrink, args.group),
+                               n_kv_heads=max(args.n_kv_heads // shrink, 1), head_dim=args.head_dim // 8,
+                               intermediate_size=args.intermediate_size // shrink)
+
+
+def test_new_presets_have_public_config_numbers():
+    q32 = PRESETS["qwen3-32b"]
+    assert (q32.dim, q32.n_layers, q32.n_heads, q32.n_kv_heads, q32.head_dim, q32.intermediate_size) == (
+        5120, 64, 64, 8, 128, 25600)
+    assert (q32.vocab_size, q32.rope_theta, q32.rms_eps) == (151936, 1e6, 1e-6)
+    assert q32.qk_norm and not q32.tie_embeddings
+    llama = PRESETS["llama-3.1-8b"]
+    assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.head_dim) == (4096, 32, 32, 8, 128)
+    assert (llama.intermediate_size, llama.vocab_size, llama.rms_eps) == (14336, 128256, 1e-5)
+    assert not llama.qk_norm and not llama.tie_embeddings and llama.rope_theta == 500000.0
+    assert resolve_target("Qwen3-32B") is q32
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_param_count_formula_is_the_built_model_and_the_published_size(name):
+    full = PRESETS[name]
+    lo, hi = PUBLISHED[name]
+    assert lo < param_count(full) < hi
+    small = scaled_copy(full, 32)
+    assert small.qk_norm == full.qk_norm and small.group == full.group
+    for fp8 in (False, True):
+        model = build_target(small, device="cpu", dtype=torch.bfloat16, fp8=fp8,
+                             generator=torch.Generator().manual_seed(0))
+        stored = sum(t.numel() for t in (*model.parameters(), *model.buffers()) if t.dtype != torch.float32)
+        scales = sum(t.numel() for t in model.buffers() if t.dtype == torch.float32 and t.ndim == 1
+                     and t is not model.rotary.inv_freq)
+        assert stored == param_count(small)
+        assert scales == (small.n_layers * projection_outputs(small) if fp8 else 0)
+        # the bytes one step reads: everything but the embedding table (unless it is the lm_head)
+        read = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                   if t is not model.embed and t is not model.rotary.inv_freq)
+        assert weight_read_bytes(small, torch.bfloat16, fp8=fp8) == read
+        attn = model.layers[0].attn
+        assert (attn.q_norm is not None) == full.qk_norm
+    # the builder runs a target without q/k norm (Llama) as well as with it, FP8 or not
+    model.backend = DenseTorchAttention(small.n_layers, 1, 4, 3, small.n_kv_heads, small.head_dim,
+                                        dtype=torch.bfloat16)
+    logits = model(torch.tensor([1, 2, 3]), torch.arange(3), AttnMeta.from_lens([3], [0]))
+    assert logits.shape == (3, small.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_fp8_reads_about_half_the_bf16_weight_bytes():
+    q8 = PRESETS["qwen3-8b"]
+    bf16, fp8 = weight_read_bytes(q8), weight_read_bytes(q8, fp8=True)
+    head = 2 * q8.vocab_size * q8.dim  # the lm_head stays bf16
+    assert fp8 - head == pytest.approx((bf16 - head) / 2, rel=1e-3)
+    assert 0.45 < fp8 / bf16 < 0.55
+
+
+def test_dtype_names_are_the_table_choices():
+    assert tuple(DTYPES) == TABLE_DTYPES
+    assert parse_dtype("fp8") == (torch.bfloat16, True)
+    assert parse_dtype("float32") == (torch.float32, False)
+    with pytest.raises(ModelError, match="dtype"):
+        parse_dtype("int4")

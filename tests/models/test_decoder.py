@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from spectune.kernels.attention_metadata import AttnMeta
+from spectune.kernels.fp8 import FP8, quantize_weight
 from spectune.models.attention import DenseTorchAttention
 from spectune.models.config import ModelArgs
-from spectune.models.decoder import Transformer
+from spectune.models.decoder import PROJECTIONS, Fp8Linear, Transformer, quantize_linears_
 from spectune.models.drafters import BlockDrafter, EagleDrafter, greedy_confidence
 
 TINY = ModelArgs.from_name("tiny")
@@ -134,3 +135,48 @@ def test_eagle_drafts_are_sequential_prefixes():
     ids2, conf2 = drafter.propose(hidden, last, 2, context_lens=ctx)
     assert torch.equal(ids4[:, :2], ids2)
     torch.testing.assert_close(conf4[:, :2], conf2)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 projections
+
+
+def test_fp8_quantises_the_projections_only():
+    dense, fp8 = build(dtype=torch.float32, seed=5), build(dtype=torch.float32, seed=5)
+    quantize_linears_(fp8)
+    for layer_d, layer_q in zip(dense.layers, fp8.layers, strict=True):
+        for block_d, block_q, names in ((layer_d.attn, layer_q.attn, ("wqkv", "wo")),
+                                        (layer_d.mlp, layer_q.mlp, ("w13", "w2"))):
+            for name in names:
+                q = getattr(block_q, name)
+                assert isinstance(q, Fp8Linear) and q.qweight.dtype == FP8
+                want_q, want_s = quantize_weight(getattr(block_d, name))
+                assert torch.equal(q.qweight.view(torch.uint8), want_q.view(torch.uint8))
+                assert torch.equal(q.scale, want_s)
+    fp8_names = {n for n, _ in fp8.named_parameters()}
+    assert not any(n.rsplit(".", 1)[-1] in PROJECTIONS for n in fp8_names)
+    kept = dict(fp8.named_parameters())
+    for name, p in dense.named_parameters():  # embeddings, norms, lm_head: untouched
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            assert torch.equal(kept[name], p), name
+    quantize_linears_(fp8)  # a second call changes nothing
+    assert isinstance(fp8.layers[0].attn.wqkv, Fp8Linear)
+
+
+def test_fp8_logits_track_the_dense_model_and_rows_stay_independent():
+    dense, fp8 = build(dtype=torch.float32, seed=2), build(dtype=torch.float32, seed=2)
+    quantize_linears_(fp8)
+    ids = torch.randint(1, TINY.vocab_size, (9,), generator=torch.Generator().manual_seed(4))
+    meta = AttnMeta.from_lens([4, 5], [0, 0], max_q=5)
+    pos = torch.cat([torch.arange(4), torch.arange(5)])
+    outs = []
+    for model in (dense, fp8):
+        model.backend = fresh_cache(TINY.n_layers, 2, 8, 5, dtype=torch.float32)
+        outs.append(model(ids, pos, meta))
+    want, got = outs
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < 0.15  # quantised (not the dense path), and close to it
+    # request 1 alone gives its rows of the batched step: per-token scales see only their row
+    fp8.backend = fresh_cache(TINY.n_layers, 1, 8, 5, dtype=torch.float32)
+    alone = fp8(ids[4:], pos[4:], AttnMeta.from_lens([5], [0], max_q=5))
+    torch.testing.assert_close(alone, got[4:])
