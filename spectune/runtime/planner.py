@@ -44,7 +44,8 @@ size, so a changed K is always a captured shape for the batch it is applied to.
 
 Exploration (optimism under uncertainty): every ``probe_every``-th step runs the candidate that
 is best under a^+ if that beats the current choice under a^+ -- a shape that could be better
-given what is known. Deeper positions get tested, so K can climb past positions no shape has
+given what is known -- among shapes of at most ``PROBE_STEP`` more drafts than the choice (a deep
+probe is a costly step: K climbs a step at a time). Deeper positions get tested, so K can climb past positions no shape has
 tested yet, and a batch size at K = 0 keeps drafting now and then, so K = 0 is a choice like any
 other and is left again. Once the estimate is sure the choice is best, no probe runs; as the
 counts decay without new drafts, the bounds widen and probing resumes by itself. Before any
@@ -57,7 +58,12 @@ traffic's pooled drift then scales the prior at every position, also at position
 would have kept stale because a lower acceptance no longer tests them. phi, the running mean of
 D^2 on steps without a change (>= 1), is the overdispersion: requests differ, and when few of them
 are in the window (batch 1) they move the estimate far more than binomial noise; phi widens the
-bounds and the change test by as much.
+bounds and the change test by as much. A decision's D^2 enters phi clipped at ``PHI_CLIP`` * phi
+and phi stays <= ``PHI_MAX``: a gradual shift gives D^2 just under the change test decision after
+decision, and learning from it would raise the test's own threshold until no shift is detected
+and the upper bounds send the probes ever deeper (measured in a closed drift run that the bench
+repeats: phi 1 -> 12.7 over six runs, auto 0.92-0.95 of the best fixed K; with the clip and the
+cap 0.94-0.98).
 
 Batch sizes above the table's range reuse the last batch size's choice, with the budget cut to
 fit the largest tier (counted in ``Planner.clamped``); a batch larger than the largest tier gets
@@ -84,6 +90,9 @@ SHRINK = 32.0  # pseudo-drafts at prior * drift per position in the online rate 
 DRIFT_SHRINK = 4.0  # pseudo-expected accepts at drift 1: with no evidence the estimate is the prior
 PHI_WEIGHT = 0.05  # weight of one decision's D^2 in the overdispersion estimate phi
 MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the change test runs
+PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
+PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
+PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
 
 
 class PolicyMismatch(SpectuneError):
@@ -344,7 +353,7 @@ class Planner:
         d2 = (sum(s.Af) - e) ** 2 / v
         if d2 > self.online.change_z ** 2 * s.phi:
             return True
-        s.phi = max(1.0, (1.0 - PHI_WEIGHT) * s.phi + PHI_WEIGHT * d2)
+        s.phi = min(PHI_MAX, max(1.0, (1.0 - PHI_WEIGHT) * s.phi + PHI_WEIGHT * min(d2, PHI_CLIP * s.phi)))
         return False
 
     def _decide(self, b: int | None = None) -> None:
@@ -368,6 +377,7 @@ class Planner:
         (s_lo, S_lo), (s_mid, S_mid), (s_hi, S_hi) = sums
         top = len(S_mid) - 1
         probe_g = tok_cur[2] / cur_ms  # a probe must beat the choice if acceptance is high
+        probe_k = cur.k + PROBE_STEP  # K climbs a step at a time: a deep probe costs a deep step
         fac = self._fac[b]
         for p, ms in self._cands[b]:  # _tokens inlined: this loop is the controller's host time
             q, r = divmod(p.verify_budget, b)
@@ -375,7 +385,7 @@ class Planner:
                 q, r = top, 0
             c = fac[p]
             t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
-            if t_hi > probe_g * ms:
+            if t_hi > probe_g * ms and p.k <= probe_k:
                 probe, probe_g = p, t_hi / ms  # optimistic: best under the upper bounds
             if p is cur or (b + b * S_mid[q] + r * s_mid[q + 1]) * c <= need * ms:
                 continue  # the point estimate's gain is below the margin, so is its lower bound

@@ -5,6 +5,8 @@ import pytest
 
 from spectune.errors import TableError
 from spectune.runtime.planner import (
+    PHI_MAX,
+    PROBE_STEP,
     Plan,
     Planner,
     PolicyMismatch,
@@ -211,6 +213,37 @@ def test_change_detector_follows_a_shift():
     run(p, 8, 0.05, 60)
     assert p.changes >= 1 and p.rates[0] < 0.3
     assert p.plan(8).k < 4
+
+
+def test_a_slow_drift_does_not_teach_the_overdispersion_for_good():
+    # a gradual shift: decision after decision the fast window is off by a D^2 just under the
+    # change test (90 % of change_z^2 * phi); learning phi from it would raise the threshold
+    # with it, and no shift would ever be detected
+    p = Planner(make_table())
+    s = p._s
+    z2 = p.online.change_z ** 2
+    for _ in range(100):
+        t = 400.0
+        d2 = 0.9 * z2 * s.phi
+        s.a = [0.5] * p.k_hi
+        s.Tf = [t] + [0.0] * (p.k_hi - 1)
+        s.Af = [t * 0.5 + (d2 * t * 0.25) ** 0.5] + [0.0] * (p.k_hi - 1)
+        assert not p._changed()
+    assert s.phi == PHI_MAX
+
+
+def test_probes_climb_a_few_drafts_at_a_time():
+    table = make_table(rows=[Row((1, 8), 1, 8), Row((9, 16), 0, 0)], tiers=TIERS_WIDE, min_k=0, max_k=6)
+    p = Planner(table)
+    seen = set()
+    for _ in range(400):
+        plan = p.plan(4)
+        seen.add(plan.k)
+        cur = p._s.choice[4].k
+        probe = p._s.probe[4]
+        assert probe is None or probe.k <= cur + PROBE_STEP
+        p.observe(*counters(plan, 4, 0.97))
+    assert max(seen) >= 3  # K still climbs with high acceptance
 
 
 def test_reset_online_returns_to_the_table():
