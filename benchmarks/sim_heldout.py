@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sources", default=",".join(sources), help="names from: " + ", ".join(sources))
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1200, help="steps per run (batch 1: --steps-batch1)")
+    ap.add_argument("--steps-batch1", type=int, default=4000, help="so that as many requests finish as at larger batches")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     table = read_table(a.policy)
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     for name in a.sources.split(","):
         acc, drift = sources[name]
         for r in compare_open(table, acc, [int(c) for c in a.concurrency.split(",")], drift=drift,
-                              seeds=range(a.seeds), steps=a.steps, steps_batch1=None):
+                              seeds=range(a.seeds), steps=a.steps, steps_batch1=a.steps_batch1):
             rows.append({"source": name, **r})
     print(f"{'source':24s} {'c':>4s} {'auto/best':>9s} {'best':>8s} {'auto/plain':>10s}  auto K steps")
     for r in rows:

@@ -20,6 +20,7 @@ neighbours, auto. The bench's default: plain, the best fixed K and its neighbour
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -268,7 +269,7 @@ def compare_open(table: Any, acceptance: str, concurrency: Sequence[int], *, dri
     acc = load_acceptance(acceptance, max_k=table.workload.max_k)
     second = load_acceptance(drift, max_k=table.workload.max_k) if drift else None
     arms: list[tuple[str, Callable[[], Any]]] = [("plain", lambda: FixedK(0))]
-    arms += [(f"fixed:{k}", lambda k=k: FixedK(k)) for k in fixed]
+    arms += [(f"fixed:{k}", functools.partial(FixedK, k)) for k in fixed]
     arms.append(("auto", lambda: Planner(table)))
     rows = []
     for c in concurrency:

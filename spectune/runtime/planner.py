@@ -143,7 +143,8 @@ class OnlineState:
     uncaptured: int = 0  # batches above the largest tier
 
     def copy(self) -> OnlineState:
-        return replace(self, **{f: list(v) for f, v in vars(self).items() if isinstance(v, list)})
+        lists: dict[str, Any] = {f: list(v) for f, v in vars(self).items() if isinstance(v, list)}
+        return replace(self, **lists)
 
 
 def row_budget(row: Row, batch: int) -> int:
