@@ -392,6 +392,9 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     return _serve(run, concurrency)
 
 
+_NO_COUNTS = np.zeros(1, np.int64)
+
+
 def _serve(run: _Run, concurrency: int) -> SimResult:
     """The step loop: observe -> plan -> allocate -> verify -> account -> retire and refill."""
     batch, tally = _start_batch(run, concurrency), _Tally()
@@ -405,7 +408,8 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
         if plan.tier is None or plan.tier < b + plan.verify_budget:
             raise InvalidPolicy(f"batch {b}: no captured tier holds {b + plan.verify_budget} tokens")
         k = min(plan.k, run.traffic.max_k)
-        accepted, pending = np.zeros(b, np.int64), None
+        # a K = 0 step observes zero counters, as the engine's does: time passes for the estimate
+        accepted, pending = np.zeros(b, np.int64), (_NO_COUNTS, _NO_COUNTS)
         if k:
             rates = _live_rates(run)
             granted = _allocate(run, batch, k, min(plan.verify_budget, b * k), rates)

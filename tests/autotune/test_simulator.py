@@ -197,3 +197,26 @@ def test_monte_carlo_matches_inflight_expectation(k, budget):
     arrival = expected_tokens(mix, 4, k, [budget])[0]
     assert arrival > 1.05 * serving
     assert res.mean_accept_len * 4 == pytest.approx(serving, rel=0.025)
+
+
+def test_k0_steps_are_observed_so_the_controller_can_leave_k0():
+    """The engine hands the controller counters every step (zeros when K = 0); the simulator
+    must too, or a controller at K = 0 never sees time pass and never decides again."""
+
+    class Alternating:
+        def __init__(self):
+            self.plans = 0
+            self.observed = []
+
+        def plan(self, b):
+            self.plans += 1
+            return Plan(2, 2 * b, 64) if self.plans % 2 else Plan(0, 0, 64)
+
+        def observe(self, accepted, tested):
+            self.observed.append((list(accepted), list(tested)))
+
+    pol = Alternating()
+    simulate(constant_cost(), curve(0.8, 0.6), pol, concurrency=4, steps=40, seed=0)
+    assert len(pol.observed) == 39  # every step but the last, K = 0 steps included
+    assert sum(sum(t) for _, t in pol.observed[1::2]) == 0  # after a K = 0 step: nothing tested
+    assert all(sum(t) > 0 for _, t in pol.observed[0::2])
