@@ -6,16 +6,14 @@ neighbours, and auto, each ``--repeats`` times interleaved (order rotated per re
 OUT/bench_heldout_<source>_<tag>.json per source and prints auto / best other arm and auto / plain
 (means over repeats with 95 % intervals) per source and concurrency.
 
-Time on the H200 (qwen3-8b + eagle-1l, bf16, from benchmarks/results/bench_ab_bf16_ctx320_h200.json:
-per decode step 6.5 / 9 ms plain / K 3-4 at c = 1, 7.9 / 13.6 ms at c = 64, 13.7 / 37 ms at
-c = 256; prefill ~30 000 tokens/s): prompt 288 + 64 new tokens keeps the tuned context 320;
-requests 6 / 32 / 64 / 256 at c = 1 / 16 / 64 / 256 give ~7 / 5 / 5 / 17 s per repeat of five
-arms (prefill is half of it at c = 256), so ~110 s per source with 3 repeats; two sources per
-call plus ~100 s of setup fit 9 minutes:
+Time on the H200 (qwen3-8b + eagle-1l, bf16; measured 2026-12-01): prompt 288 + 64 new tokens
+keeps the tuned context 320; with the requests of ``PROMPTS`` (the batch stays full for one to two
+waves, so the full-load window ``full_tok_s`` is long enough) two sources at c = 1, 16, 64, 256 took
+~4 minutes each after ~100 s of setup (a third did not fit one 10-minute call), and five sources
+at c = 16, 64 took 365 s in all:
 
     PYTHONPATH=. python benchmarks/heldout_ab.py --sources humaneval,mtbench --out $OUT
-    PYTHONPATH=. python benchmarks/heldout_ab.py --sources high,low --out $OUT
-    PYTHONPATH=. python benchmarks/heldout_ab.py --sources drift,tuned --out $OUT
+    PYTHONPATH=. python benchmarks/heldout_ab.py --sources humaneval,mtbench,drift,low,high --concurrency 16,64 --out $OUT
 """
 
 from __future__ import annotations
