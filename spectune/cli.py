@@ -639,15 +639,13 @@ def _summary_lines(summary: dict | None) -> list[str]:
     """Means over repeats with 95 % intervals, timed-out runs, and auto / best other arm."""
     if not summary:
         return []
-    ci = _ci
-
     lines = [f"{'conc':>5} {'arm':>9} {'runs':>4} {'decode tok/s mean [95% interval]':>36} {'timed out':>9}"]
     for a in summary["arms"]:
         lines.append(f"{a['concurrency']:>5} {a['arm']:>9} {a['repeats']:>4} "
-                     f"{ci(a['decode_tok_s'], a['ci95'], '.1f'):>36} {a['timed_out']:>9}")
+                     f"{_ci(a['decode_tok_s'], a['ci95'], '.1f'):>36} {a['timed_out']:>9}")
     for r in summary["ratios"]:
-        lines.append(f"c={r['concurrency']}: auto / {r['best_other']} = {ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}"
-                     f", auto / plain = {ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}")
+        lines.append(f"c={r['concurrency']}: auto / {r['best_other']} = {_ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}"
+                     f", auto / plain = {_ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}")
     return lines
 
 

@@ -312,12 +312,14 @@ class Engine:
         return plan
 
     def _k_valid(self, n: int, k: int) -> Tensor:
-        s = self.state
-        kv = s.k_valid[:n]
-        torch.sub(s.max_new[:n], s.produced[:n], out=kv)  # remaining tokens
-        kv.sub_(1).clamp_(0, k)
+        kv = self._room(n, k, out=self.state.k_valid[:n])
         offered = getattr(self.drafts.proposer, "offered", None)  # [>= n] int32: drafts it proposed
         return kv if offered is None else torch.minimum(kv, offered[:n], out=kv)
+
+    def _room(self, n: int, k: int, out: Tensor | None = None) -> Tensor:
+        """Drafts each row's remaining tokens leave room for: max_new - produced - 1, in 0..k."""
+        s = self.state
+        return torch.sub(s.max_new[:n], s.produced[:n], out=out).sub_(1).clamp_(0, k)
 
     def _count_declined(self, out: StepOutput, n: int, k: int) -> None:
         """A draft the proposer declined (it offered fewer than the step could verify, and every
@@ -328,8 +330,7 @@ class Engine:
         offered = getattr(self.drafts.proposer, "offered", None)
         if offered is None:
             return
-        s = self.state
-        room = torch.sub(s.max_new[:n], s.produced[:n]).sub_(1).clamp_(0, k)  # before _advance
+        room = self._room(n, k)  # before _advance
         grant = out.grant.to(torch.int64)
         declined = ((out.num_out[:n].to(torch.int64) - 1 == grant) & (grant == offered[:n].to(torch.int64))
                     & (grant < room.to(torch.int64)))
