@@ -260,7 +260,8 @@ def resolve_served(config: BenchConfig, planner: Planner, acceptance: str | None
                             context_len=prompt_len + max_new // 2, seeds=range(config.seed, config.seed + reps),
                             drift=late, prior=tuned_prior(planner.table))
         arms[c] = bench_default_arms(max_k, best)
-    tokens = load_trace_replay(acceptance, max_k) if drift is None and is_trace_source(acceptance) else None
+    tokens = (load_trace_replay(acceptance, max_k)
+              if drift is None and acceptance is not None and is_trace_source(acceptance) else None)
     return Served(model, late, tokens.describe() if tokens else source, arms, out, tokens)
 
 

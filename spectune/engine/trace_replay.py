@@ -57,7 +57,7 @@ class TraceReplay:
         return self.conf is not None
 
     def tables(self, n: int, length: int, seed: int, repeat: int) -> TokenTables:
-        order = np.random.default_rng([seed, repeat]).permutation(len(self.requests))
+        order = np.random.default_rng([seed, repeat]).permutation(len(self.requests)).tolist()
         return token_tables(self.requests, order, n, length, offset=1, conf=self.conf)
 
     def describe(self) -> str:
