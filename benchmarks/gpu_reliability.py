@@ -312,11 +312,12 @@ def section_kill(
 def summary(results: dict[str, Any]) -> None:
     log("\nsection  ok     s  result")
     lock = results.get("lock", {})
-    for mode in ("on", "off"):
-        c = lock.get(f"two_lock_{mode}")
+    for label in ("one_again", "two_lock_on", "two_lock_off"):
+        c = lock.get(label)
+        what = "one worker again" if label == "one_again" else f"two workers, lock {label[9:]}"
         if c:
             log(
-                f"lock     {lock['ok']!s:5} {lock['section_s']:>5}  two workers, lock {mode}: per point median "
+                f"lock     {lock['ok']!s:5} {lock['section_s']:>5}  {what}: per point median "
                 f"{fmt_pct(c['point_rel_diff_median'])}, p90 {fmt_pct(c['point_rel_diff_p90'])}; fit median "
                 f"{fmt_pct(c['model_target_rel_diff_median'])}, max {fmt_pct(c['model_target_rel_diff_max'])}; "
                 f"held-out {fmt_pct(c['held_out_error'][1])} (one worker {fmt_pct(c['held_out_error'][0])})"
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "lock" in wanted:
         run_section(
-            "lock", lambda: two_workers_vs_one(folder, lock_settings, lock_off_too=True), results
+            "lock", lambda: two_workers_vs_one(folder, lock_settings, lock_off_too=True, noise_run=True), results
         )
         if results["lock"].get("runs"):
             print_table(results["lock"])

@@ -127,11 +127,12 @@ def compare(
     grid_b = set(b.loc[b["phase"].isin(first), "key"])
     common = sorted(set(a["key"]) & set(b["key"]))
     ms_a, ms_b = a.set_index("key")["ms"], b.set_index("key")["ms"]
-    rel = [
-        abs(ms_b[k] / ms_a[k] - 1)
+    signed = [
+        ms_b[k] / ms_a[k] - 1
         for k in common
         if pd.notna(ms_a[k]) and pd.notna(ms_b[k]) and ms_a[k] > 0
     ]
+    rel = [abs(x) for x in signed]
     # noise of one run: the spread of each point's own replays, (p80 - p20) / median
     spread = [
         (r.p80_ms - r.p20_ms) / r.ms
@@ -142,11 +143,12 @@ def compare(
     wl = ta.workload
     ma = CostModel(ta.costs.model, wl.drafter_kind, wl.context_len)
     mb = CostModel(tb.costs.model, wl.drafter_kind, wl.context_len)
-    pred = [
-        abs(mb.target_ms(bs * q, bs) / ma.target_ms(bs * q, bs) - 1)
+    pred_signed = [
+        mb.target_ms(bs * q, bs) / ma.target_ms(bs * q, bs) - 1
         for bs in range(1, wl.max_batch + 1)
         for q in range(1, wl.max_k + 2)
     ]
+    pred = [abs(x) for x in pred_signed]
     return {
         "grid_and_held_out_equal": grid_a == grid_b,
         "point_sets_equal": set(a["key"]) == set(b["key"]),
@@ -154,10 +156,14 @@ def compare(
         "common_points": len(common),
         "duplicates": [int(a["key"].duplicated().sum()), int(b["key"].duplicated().sum())],
         "point_rel_diff_median": statistics.median(rel) if rel else None,
+        # > 0: the second run's points are slower (a bias, not noise, when most points agree in sign)
+        "point_rel_diff_signed_median": statistics.median(signed) if signed else None,
+        "point_slower_share": sum(x > 0 for x in signed) / len(signed) if signed else None,
         "point_rel_diff_p90": _quantile(rel, 0.9),
         "point_rel_diff_max": max(rel) if rel else None,
         "replay_spread_median": statistics.median(spread) if spread else None,
         "model_target_rel_diff_median": statistics.median(pred),
+        "model_target_signed_median": statistics.median(pred_signed),
         "model_target_rel_diff_max": max(pred),
         "held_out_error": [ta.costs.error.median_rel, tb.costs.error.median_rel],
         "held_out_error_max": [ta.costs.error.max_rel, tb.costs.error.max_rel],

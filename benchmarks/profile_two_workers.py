@@ -34,13 +34,19 @@ def two_workers_vs_one(
     *,
     lock_off_too: bool = False,
     one: dict[str, Any] | None = None,
+    noise_run: bool = False,
 ) -> dict[str, Any]:
     """One worker, two workers with the timing lock (and without it); each compared with one.
-    ``one``: a finished one-worker run of the same settings to reuse."""
+    ``one``: a finished one-worker run of the same settings to reuse. ``noise_run``: a second
+    one-worker run first, compared with the first as ``one_again``: the run-to-run noise of whole
+    profiles (new processes, new captures), the yardstick for "equal within timing noise"."""
     one = one or run_profile(folder, "one", workers=1, **settings)
     runs = {"one": one}
-    modes = ["on"] + (["off"] if lock_off_too else [])
     res: dict[str, Any] = {"settings": settings}
+    if noise_run:
+        runs["one_again"] = run_profile(folder, "one_again", workers=1, **settings)
+        res["one_again"] = compare(one["yaml"], runs["one_again"]["yaml"], one["csv"], runs["one_again"]["csv"])
+    modes = ["on"] + (["off"] if lock_off_too else [])
     for mode in modes:
         label = f"two_lock_{mode}"
         extra = [*settings.get("extra", ()), "--timing-lock", mode]
@@ -53,7 +59,7 @@ def two_workers_vs_one(
 def print_table(res: dict[str, Any]) -> None:
     log(
         f"{'run':>13} {'wall s':>7} {'points':>6} {'dups':>4} {'grid eq':>7} {'pt med':>7} {'pt p90':>7} "
-        f"{'fit med':>7} {'fit max':>7} {'held-out':>9}"
+        f"{'signed':>7} {'fit med':>7} {'fit max':>7} {'held-out':>9}"
     )
     one = res["runs"]["one"]
     for label, r in res["runs"].items():
@@ -64,7 +70,8 @@ def print_table(res: dict[str, Any]) -> None:
         log(
             f"{label:>13} {r['wall_s']:>7} {c['points'][1]:>6} {c['duplicates'][1]:>4} "
             f"{c['grid_and_held_out_equal']!s:>7} {fmt_pct(c['point_rel_diff_median']):>7} "
-            f"{fmt_pct(c['point_rel_diff_p90']):>7} {fmt_pct(c['model_target_rel_diff_median']):>7} "
+            f"{fmt_pct(c['point_rel_diff_p90']):>7} {fmt_pct(c.get('point_rel_diff_signed_median')):>7} "
+            f"{fmt_pct(c['model_target_rel_diff_median']):>7} "
             f"{fmt_pct(c['model_target_rel_diff_max']):>7} {fmt_pct(c['held_out_error'][1]):>9}"
         )
     first = next((res[k] for k in res if k.startswith("two_lock_")), None)
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--lock-off-too", action="store_true", help="also run two workers without the timing lock"
     )
+    ap.add_argument("--noise-run", action="store_true", help="a second one-worker run: the run-to-run noise")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     settings = {
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(tempfile.mkdtemp(prefix="spectune-two-workers-")),
         settings,
         lock_off_too=args.lock_off_too,
+        noise_run=args.noise_run,
     )
     c = res["two_lock_on"]
     log(

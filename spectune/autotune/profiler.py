@@ -10,6 +10,7 @@ its torch reference on CPU); the profile's ``costs.model.overhead.source`` says 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import re
@@ -378,7 +379,11 @@ def measure_for_study(s: Setup, *, timer: Callable[[Any], Any] | None = None,
     h = open_study(s.plan, storage=r.storage, study_name=s.name, identity=s.identity,
                    hardware=asdict(s.hardware), heartbeat_s=heartbeat_s, grace_s=grace_s)
     if measure_point is None:
-        measure_point = model_point_factory(r)
+        # the weights' random fills run kernels: built under the lock, finished before it is let go
+        with gpu_lock.held() if gpu_lock is not None else contextlib.nullcontext(0.0):
+            measure_point = model_point_factory(r)
+            if r.device.type == "cuda":
+                torch.cuda.synchronize(r.device)
     if timer is None:
         from spectune.autotune.timing import WallClockTimer, default_timer
 
