@@ -14,6 +14,7 @@ at c = 16, 64 took 365 s in all:
 
     PYTHONPATH=. python benchmarks/heldout_ab.py --sources humaneval,mtbench --out $OUT
     PYTHONPATH=. python benchmarks/heldout_ab.py --sources humaneval,mtbench,drift,low,high --concurrency 16,64 --out $OUT
+    PYTHONPATH=. python benchmarks/heldout_ab.py --sources drift@1/16/256,humaneval,mtbench --concurrency 1,256 --out $OUT
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ PROMPTS = {1: 6, 16: 48, 64: 128, 256: 320}
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sources", required=True, help=f"comma list of {', '.join([*SOURCES, 'drift'])}")
+    p.add_argument("--sources", required=True, help=f"comma list of {', '.join([*SOURCES, 'drift'])}; "
+                   "NAME@C1/C2 serves that source at its own concurrencies (default: --concurrency)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--policy", default=POLICY)
     p.add_argument("--concurrency", default="1,16,64,256")
@@ -68,16 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     from spectune.engine.bench import BenchConfig, run_sources
     from spectune.errors import SpectuneError
 
-    names = [n.strip() for n in args.sources.split(",") if n.strip()]
+    picked = [n.strip().partition("@") for n in args.sources.split(",") if n.strip()]
+    names = [n for n, _, _ in picked]
+    try:
+        own = {n: [int(c) for c in cs.split("/")] for n, _, cs in picked if cs}
+        conc = sorted({int(c) for c in args.concurrency.split(",")} | {c for cs in own.values() for c in cs})
+    except ValueError:
+        print(f"heldout_ab: error: --sources/--concurrency: concurrencies must be integers, got "
+              f"{args.sources!r} / {args.concurrency!r}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    conc = [int(c) for c in args.concurrency.split(",")]
     prompts = args.prompts if args.prompts is not None else {c: PROMPTS.get(c, 2 * c) for c in conc}
     config = BenchConfig(policy=args.policy, out=str(out / "unused.json"), concurrency=conc, prompts=prompts,
                          max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, device=args.device,
                          target=args.target, time_limit_s=args.time_limit, repeats=args.repeats, progress=False,
                          predict_at_measured_accept=False)
-    jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json")) for n in names]
+    base = [int(c) for c in args.concurrency.split(",")]
+    jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json"), own.get(n, base)) for n in names]
     try:
         results = run_sources(config, jobs)
     except SpectuneError as exc:

@@ -409,10 +409,12 @@ def run_bench(config: BenchConfig, *, on_row: Callable[[dict[str, Any]], None] |
     return run_sources(config, [(config.acceptance, config.drift, config.out)], on_row=on_row)[0]
 
 
-def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | None, str]], *,
+def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | None, str]
+                                                      | tuple[str | None, str | None, str, Sequence[int]]], *,
                 on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Several served acceptances ``(acceptance, drift, out)`` in one process: one engine, its
-    captured graphs and the plain reference outputs (they depend on the prompts only) serve all."""
+    """Several served acceptances ``(acceptance, drift, out[, concurrency])`` in one process: one
+    engine, its captured graphs and the plain reference outputs (they depend on the prompts only)
+    serve all. A source's own concurrency list (a subset of the config's) runs only those."""
     device = parse_device(config.device, BenchError)
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     concurrency = _ints(config.concurrency if config.concurrency is not None else d.concurrency,
@@ -434,9 +436,13 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
     planner = load(config.policy, on_gpu_mismatch="warn")
     dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
-    served = [resolve_served(config, planner, acc, drift, out, concurrency, counts, prompt_len, max_new)
-              for acc, drift, out in sources]
-    arms = {a for s in served for c in concurrency for a in s.arms[c]}
+    own = [[int(c) for c in src[3]] if len(src) > 3 else list(concurrency) for src in sources]
+    for cs in own:
+        if extra := sorted(set(cs) - set(concurrency)):
+            raise BenchError(f"--concurrency: a source asks for {extra}, not in {list(concurrency)}")
+    served = [resolve_served(config, planner, src[0], src[1], src[2], cs, counts, prompt_len, max_new)
+              for src, cs in zip(sources, own, strict=True)]
+    arms = {a for s, cs in zip(served, own, strict=True) for c in cs for a in s.arms[c]}
     fixed = sorted({k for a in arms if (k := parse_arm(a)) is not None})
     results = []
     with exact_float32(device, dtype) as tf32:
@@ -444,10 +450,10 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
                       max(counts.values()), prompt_len, max_new)
         power = _power(device)
         references: dict[int, RunResult] = {}
-        for one in served:
+        for one, cs in zip(served, own, strict=True):
             header = _header(config, setup, one, device, prompt_len, max_new, tf32, tolerance)
             write = _writer(one.out, header, on_row)
-            rows = _serve_all(setup, config, one, concurrency, counts, limit, tolerance, power, references, write)
+            rows = _serve_all(setup, config, one, cs, counts, limit, tolerance, power, references, write)
             results.append(write(rows, True))
         if power is not None:
             power.close()

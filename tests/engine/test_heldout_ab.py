@@ -35,3 +35,19 @@ def test_heldout_script_writes_one_results_file_per_source(tmp_path, capsys):
     assert "auto/best" in table and table.count("drift") == 4  # per concurrency: full load, then the whole run
     assert table.count(" full ") == table.count(" run ") == 4
     assert (out / "heldout_summary_cpu.json").exists()
+
+
+def test_a_source_can_run_at_its_own_concurrencies(tmp_path, capsys):
+    policy = write_policy(tmp_path / "p.yaml")
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "out"
+    argv = ["--sources", "low@1/2,high", "--out", str(out), "--policy", str(policy), "--concurrency", "1",
+            "--repeats", "1", "--prompt-len", "5", "--max-new-tokens", "4", "--prompts", "2", "--device", "cpu",
+            "--tag", "cpu", "--time-limit", "60"]
+    assert main(argv) == 0
+    low = json.loads((out / "bench_heldout_low_cpu.json").read_text())
+    high = json.loads((out / "bench_heldout_high_cpu.json").read_text())
+    assert {r["concurrency"] for r in low["rows"]} == {1, 2}
+    assert {r["concurrency"] for r in high["rows"]} == {1}
+    assert main([*argv[:1], "low@1/x", *argv[2:]]) == 2
+    assert "concurrencies must be integers" in capsys.readouterr().err
