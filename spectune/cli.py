@@ -75,8 +75,9 @@ def _add_study_options(p: argparse.ArgumentParser) -> None:
                    help="local worker processes sharing the study (auto: one per visible GPU; on CPU, N "
                         "processes); default 1")
     g.add_argument("--timing-lock", default="auto", choices=["auto", "on", "off"],
-                   help="workers on one GPU take turns at timing (a lock keyed by the GPU's UUID around "
-                        "warm-up, timed replays and NVML sampling; capture overlaps): auto = on CUDA")
+                   help="workers on one GPU take turns at measuring (a lock keyed by the GPU's UUID around "
+                        "each point's build, capture, warm-up, timed replays and NVML sampling; claims and "
+                        "storage writes overlap): auto = on CUDA")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
