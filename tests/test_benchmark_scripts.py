@@ -110,3 +110,171 @@ def test_targets_probe_quick_path_on_cpu(tmp_path, monkeypatch, capsys):
     assert res["gemm"] == []  # CUDA only
     out = capsys.readouterr().out
     assert "tiny:fp8" in out and "injected failure" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# targets_tables: profile -> tune -> validate/export -> held-out bench, per target
+
+TINY = ["--device", "cpu", "--target", "tiny", "--batch-sizes", "1,2", "--max-k", "2", "--context-len", "32",
+        "--trials", "0", "--bench-context", "24", "--concurrency", "1,2", "--repeats", "1", "--prompts", "2",
+        "--prompt-len", "8", "--max-new-tokens", "6"]
+
+
+def _tar_names(path):
+    import tarfile
+
+    with tarfile.open(path) as t:
+        return {m.name for m in t.getmembers()}
+
+
+@pytest.mark.slow
+def test_targets_tables_all_stages_resume_on_cpu(tmp_path, capsys):
+    """A profile call, then all stages with --resume-from it: the study resumes from the journal
+    in the first call's tarball (every point kept, none measured again), tune validates and
+    exports, the bench serves the held-out traces."""
+    mod = load("targets_tables")
+    first, second = tmp_path / "one", tmp_path / "two"
+    assert mod.main([*TINY, "--dtype", "float32", "--stage", "profile", "--out-dir", str(first)]) == 0
+    stem = "cpu_tiny_eagle-1l.float32"
+    assert sorted(p.name for p in first.iterdir()) == sorted(
+        [f"{stem}.yaml", f"{stem}.study.tar.gz", "targets_tables_tiny-float32_profile.json"])
+    assert {f"{stem}.yaml.journal", f"{stem}.csv", "logs/profile.log"} <= _tar_names(first / f"{stem}.study.tar.gz")
+    one = json.loads((first / "targets_tables_tiny-float32_profile.json").read_text())["stages"]["profile"]
+    assert one["rc"] == 0 and one["points"] > 0 and "kept" not in one
+
+    rc = mod.main([*TINY, "--dtype", "float32", "--stage", "all", "--resume-from", str(first),
+                   "--out-dir", str(second)])
+    files = sorted(p.name for p in second.iterdir())
+    assert len(files) == 6 and not [f for f in files if f.startswith(".")]
+    res = json.loads((second / "targets_tables_tiny-float32_profile-tune-bench.json").read_text())
+    prof, tune, bench = (res["stages"][s] for s in ("profile", "tune", "bench"))
+    assert prof["rc"] == 0 and prof["kept"] == one["points"] and prof["measured_now"] == 0
+    assert prof["journal_restored_from"].endswith(f"{stem}.study.tar.gz:{stem}.yaml.journal")
+    assert set(prof["step_ms"]) == {"1", "32", "128"} and prof["held_out"]["points"] > 0
+    assert res["facts"]["weight_floor_ms"] > 0 and res["facts"]["bandwidth"]["read_gbps"] > 0
+    policies = tune["policies"]
+    assert set(policies) == {f"{stem}.policy.yaml", f"{stem}.ctx24.policy.yaml"} <= set(files)
+    exported = _tar_names(second / f"{stem}.study.tar.gz")
+    every_export_ok = True
+    for name, p in policies.items():
+        assert p["rc"] == 0 and p["validate"]["rc"] == 0 and json.loads(p["validate"]["stdout"])["valid"]
+        assert [e["command"].split()[4] for e in p["exports"]] == ["vllm", "sglang", "trtllm"]
+        for e in p["exports"]:
+            out = "exports/" + Path(e["command"].split("--out ")[1]).name
+            # CPU timings are noise: a policy the engines cannot express is refused in one line, named
+            assert (e["rc"] == 0) == (out in exported), e
+            assert e["rc"] == 0 or (e["rc"] == 2 and len(e["stderr"]) == 1 and name in e["stderr"][0])
+            every_export_ok &= e["rc"] == 0
+    assert rc == (0 if every_export_ok else 1)
+    assert bench["rc"] == 0 and bench["complete"] and bench["hard_mismatches"] == 0
+    assert bench["policy"] == f"{stem}.ctx24.policy.yaml" and "humaneval-ngram" in bench["served_acceptance"]
+    assert [r["concurrency"] for r in bench["full_load"]] == [1, 2]
+    assert bench["rows"] == sum(len(a) for a in bench["arms"].values())  # one repeat of every arm
+    rows = json.loads((second / "bench_heldout_humaneval_tiny-float32_c1-2.json").read_text())
+    assert rows["header"]["tuned_acceptance"] != rows["header"]["acceptance"]
+    out = capsys.readouterr().out
+    assert "auto/best" in out and "weight floor" in out
+
+
+@pytest.mark.slow
+def test_targets_tables_tune_stage_on_the_shipped_h200_profile(tmp_path):
+    """The tune stage alone, on the shipped H200 profile as its input: both policies validate and
+    all three exports succeed; vLLM's own lookup of the export gives the policy's K at every batch."""
+    from spectune.autotune.export_vllm import lookup_vllm
+    from spectune.runtime.table import read_table
+
+    mod = load("targets_tables")
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    shipped = Path(mod.ROOT) / "spectune" / "profiles" / "nvidia-h200_qwen3-8b_eagle-1l.yaml"
+    (prev / "cpu_qwen3-8b_eagle-1l.yaml").write_bytes(shipped.read_bytes())
+    out = tmp_path / "out"
+    assert mod.main(["--device", "cpu", "--target", "qwen3-8b", "--stage", "tune", "--resume-from", str(prev),
+                     "--tune-trials", "8", "--out-dir", str(out)]) == 0
+    res = json.loads((out / "targets_tables_qwen3-8b_tune.json").read_text())["stages"]["tune"]
+    assert res["rc"] == 0 and set(res["policies"]) == {"cpu_qwen3-8b_eagle-1l.policy.yaml",
+                                                      "cpu_qwen3-8b_eagle-1l.ctx320.policy.yaml"}
+    for name, p in res["policies"].items():
+        assert p["validate"]["rc"] == 0 and all(e["rc"] == 0 for e in p["exports"])
+        assert p["held_out"]["median_rel"] == pytest.approx(0.022276, abs=1e-5)  # the shipped profile's
+        table = read_table(out / name)
+        assert table.workload.context_len == 2048 and p["rows"]
+        import tarfile
+
+        with tarfile.open(out / "cpu_qwen3-8b_eagle-1l.study.tar.gz") as t:
+            cfg = json.load(t.extractfile(f"exports/{name.removesuffix('.yaml')}.vllm.json"))
+        ks = lookup_vllm(cfg, 1024)
+        for row in table.policy.rows:
+            assert ks[row.batch[0]: row.batch[1] + 1] == [row.k] * (row.batch[1] - row.batch[0] + 1)
+        assert set(ks[table.workload.max_batch + 1:]) == {0}
+    assert res["policies"]["cpu_qwen3-8b_eagle-1l.ctx320.policy.yaml"]["step_ms"]["1"] == pytest.approx(
+        res["policies"]["cpu_qwen3-8b_eagle-1l.policy.yaml"]["step_ms"]["1"])
+
+
+@pytest.mark.slow
+def test_targets_tables_fp8_profile_and_tune_on_cpu(tmp_path):
+    from spectune.runtime.table import read_table
+
+    mod = load("targets_tables")
+    rc = mod.main([*TINY, "--dtype", "fp8", "--stage", "profile,tune", "--out-dir", str(tmp_path)])
+    stem = "cpu_tiny_eagle-1l.fp8"
+    assert {f"{stem}.yaml", f"{stem}.policy.yaml", f"{stem}.ctx24.policy.yaml", f"{stem}.study.tar.gz",
+            "targets_tables_tiny-fp8_profile-tune.json"} == {p.name for p in tmp_path.iterdir()}
+    assert read_table(tmp_path / f"{stem}.yaml").workload.dtype == "fp8"
+    res = json.loads((tmp_path / "targets_tables_tiny-fp8_profile-tune.json").read_text())
+    assert res["stages"]["profile"]["rc"] == 0 and "bench" not in res["stages"]
+    assert all(p["validate"]["rc"] == 0 for p in res["stages"]["tune"]["policies"].values())
+    assert rc in (0, 1) and (rc == 0) == (res["stages"]["tune"]["rc"] == 0)
+    # the floor is of the fp8 bytes: 1 per projection weight (plus scales), below bf16's 2
+    import torch
+
+    from spectune.models.config import resolve_target, weight_read_bytes
+
+    assert res["facts"]["weight_read_bytes"] < weight_read_bytes(resolve_target("tiny"), torch.bfloat16)
+    assert mod.stem_for("nvidia-h200", "qwen3-8b", "eagle-1l", "bfloat16") == "nvidia-h200_qwen3-8b_eagle-1l"
+
+
+@pytest.mark.parametrize("bad, field", [
+    (["--target", "no-such-model"], "--target"),
+    (["--target", "tiny", "--stage", "profile,nope"], "--stage"),
+    (["--target", "tiny", "--dtype", "int4"], "--dtype"),
+    (["--target", "tiny", "--concurrency", "1,x"], "--concurrency"),
+    (["--target", "tiny", "--source", "tuned"], "--source"),
+    (["--target", "tiny", "--max-k", "0"], "--max-k"),
+])
+def test_targets_tables_refuses_bad_options(tmp_path, capsys, bad, field):
+    mod = load("targets_tables")
+    out = tmp_path / "out"
+    assert mod.main(["--device", "cpu", *bad, "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_targets_tables_refuses_a_resume_without_its_inputs(tmp_path, capsys):
+    mod = load("targets_tables")
+    out, empty = tmp_path / "out", tmp_path / "empty"
+    empty.mkdir()
+    for stage in ("profile", "tune", "bench"):
+        assert mod.main(["--device", "cpu", "--target", "tiny", "--stage", stage, "--resume-from", str(empty),
+                         "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--resume-from" in err
+        assert not out.exists()
+
+
+def test_targets_tables_stops_a_stage_at_the_deadline(tmp_path, monkeypatch):
+    import sys
+    import time
+
+    mod = load("targets_tables")
+    monkeypatch.setattr(mod, "RESERVE_S", 0.0)
+    monkeypatch.setattr(mod, "MIN_STAGE_S", 0.0)
+    child = ("import time\ntry:\n    print('started', flush=True); time.sleep(120)\n"
+             "except KeyboardInterrupt:\n    print('wrote what it had', flush=True); raise SystemExit(130)\n")
+    res = mod.run_cmd([sys.executable, "-c", child], tmp_path / "log", time.monotonic() + 2.0)
+    assert res["stopped_at_deadline"] and res["rc"] == 130 and res["tail"][-1] == "wrote what it had"
+    done = mod.run_cmd([sys.executable, "-c", "print('ok')"], tmp_path / "log2", time.monotonic() + 60.0)
+    assert done["rc"] == 0 and not done["stopped_at_deadline"] and mod.ok(done)
+    late = mod.run_cmd([sys.executable, "-c", "print('ok')"], tmp_path / "log3", time.monotonic() - 1.0)
+    assert late["rc"] is None and "deadline" in late["skipped"] and not mod.ok(late)
