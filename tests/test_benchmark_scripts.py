@@ -108,3 +108,19 @@ def test_targets_probe_quick_path_on_cpu(tmp_path, monkeypatch, capsys):
     assert res["gemm"] == []  # CUDA only
     out = capsys.readouterr().out
     assert "tiny:fp8" in out and "injected failure" in out
+
+
+@pytest.mark.slow
+def test_fused_step_dry_run_on_cpu(tmp_path, capsys):
+    # every arm on the tiny preset: unfused, fused (Triton's interpreter), the yardstick (eager)
+    mod = load("fused_step")
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--context-len", "8",
+                     "--compile-backend", "eager", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "fused_step.json").read_text())
+    assert res["check"]["argmax_agree"] == 1.0
+    assert res["check"]["max_abs_diff"] < 0.05 * res["check"]["ref_abs_max"]
+    assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in ("unfused", "fused", "compiled")}
+    assert all(p["ms"] > 0 and "error" not in p for p in res["points"])
+    assert "fused/compiled" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--batches"):
+        mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
