@@ -58,6 +58,13 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="largest draft length (default 15 on CUDA, 7 on CPU)")
     g.add_argument("--context-len", type=number(int, 1, MAX_CONTEXT), default=None,
                    help="KV context per request (default 2048 on CUDA, 256 on CPU)")
+    _add_fused_option(g)
+
+
+def _add_fused_option(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--fused", action="store_true",
+                   help="target and drafter layers with the fused Triton kernels (residual + RMSNorm, "
+                        "q/k-norm + RoPE, SiLU x mul); default off, as the shipped profiles were measured")
 
 
 def _add_study_options(p: argparse.ArgumentParser) -> None:
@@ -101,7 +108,7 @@ def _profile_config(args: argparse.Namespace, out: str | None):
         batch_sizes=args.batch_sizes, max_k=args.max_k, context_len=args.context_len, out=out,
         storage=args.storage, study_name=args.study_name, trials=args.trials, seed=args.seed,
         progress=not args.no_progress, workers=_workers(args.workers), collect=getattr(args, "collect", False),
-        timing_lock=getattr(args, "timing_lock", "auto"),
+        timing_lock=getattr(args, "timing_lock", "auto"), fused=getattr(args, "fused", False),
     )
 
 
@@ -453,6 +460,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                    "acceptance is replayed from an acceptance model (docs/BENCH_METHOD.md). "
                                    "Writes a results JSON for `spectune report`.")
     p.add_argument("--policy", required=True, help="policy table YAML from `spectune tune`")
+    _add_fused_option(p)
     p.add_argument("--concurrency", default=None,
                    help="live requests, e.g. 1,8,32 (default 1,8,32,64,128,256 on CUDA, 1,4 on CPU)")
     p.add_argument("--arms", default=None,
@@ -512,7 +520,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed,
         time_limit_s=args.time_limit, progress=not args.no_progress,
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
-        drift=args.drift, repeats=args.repeats,
+        drift=args.drift, repeats=args.repeats, fused=args.fused,
     )
 
     def num(v, fmt):

@@ -278,3 +278,19 @@ def test_targets_tables_stops_a_stage_at_the_deadline(tmp_path, monkeypatch):
     assert done["rc"] == 0 and not done["stopped_at_deadline"] and mod.ok(done)
     late = mod.run_cmd([sys.executable, "-c", "print('ok')"], tmp_path / "log3", time.monotonic() - 1.0)
     assert late["rc"] is None and "deadline" in late["skipped"] and not mod.ok(late)
+
+
+@pytest.mark.slow
+def test_fused_step_dry_run_on_cpu(tmp_path, capsys):
+    # every arm on the tiny preset: unfused, fused (Triton's interpreter), the yardstick (eager)
+    mod = load("fused_step")
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--context-len", "8",
+                     "--compile-backend", "eager", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "fused_step.json").read_text())
+    assert res["check"]["argmax_agree"] == 1.0
+    assert res["check"]["max_abs_diff"] < 0.05 * res["check"]["ref_abs_max"]
+    assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in ("unfused", "fused", "compiled")}
+    assert all(p["ms"] > 0 and "error" not in p for p in res["points"])
+    assert "fused/compiled" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--batches"):
+        mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])

@@ -201,3 +201,25 @@ def test_collect_of_a_missing_study_names_it(profile, capsys):
     journal = str(profile) + ".journal"
     assert main(["profile", "--storage", journal, "--study-name", "nope", "--collect"]) == 2
     assert "no study 'nope'" in capsys.readouterr().err
+
+
+def test_fused_option_reaches_the_models_and_the_study_identity(monkeypatch):
+    from spectune.autotune import profiler
+    from spectune.cli import _profile_config, build_parser
+    from spectune.models import build
+
+    args = build_parser().parse_args(["profile", "--target", "tiny", "--fused", *SMALL])
+    config = _profile_config(args, None)
+    assert config.fused
+    built = []
+    real = build.build_models
+    monkeypatch.setattr(build, "build_models", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    profiler.model_point_factory(profiler.resolve(config))
+    (models,) = built
+    assert models.fused and models.target.fused and models.drafter.fused
+    s = profiler.setup(config)
+    assert s.identity["fused"] is True and s.identity["attention"] == "torch_folded+fused"
+    plain = profiler.setup(_profile_config(build_parser().parse_args(["profile", "--target", "tiny", *SMALL]), None))
+    assert "fused" not in plain.identity and plain.identity["attention"] == "torch_folded"
+    bench = build_parser().parse_args(["bench", "--policy", "p.yaml", "--out", "r.json", "--fused"])
+    assert bench.fused

@@ -113,6 +113,7 @@ class ProfileConfig:
     workers: int = 1  # local worker processes sharing the study (0: one per visible GPU, 1 on CPU)
     collect: bool = False  # measure nothing: fit and write the finished study
     timing_lock: str = "auto"  # per-GPU lock around timed stretches: auto (on CUDA), on, off
+    fused: bool = False  # target and drafter layers with the fused kernels (kernels/fused.py)
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,8 @@ def model_point_factory(r: Resolved) -> Callable[[PointSpec], Any]:
     target, drafter = resolve_target(r.target), parse_drafter(r.drafter)
     dtype, fp8 = parse_dtype(r.dtype)
     models = build_models(target, drafter, device=r.device, dtype=dtype, max_batch=r.batch_sizes[-1],
-                          max_q=r.max_k + 1, context_len=r.context_len, seed=r.seed, fp8=fp8)
+                          max_q=r.max_k + 1, context_len=r.context_len, seed=r.seed, fp8=fp8,
+                          fused=r.config.fused)
 
     def measure_point(spec: PointSpec) -> Any:
         if spec.kind == "target":
@@ -270,10 +272,12 @@ def _capture(records: list[dict[str, Any]]) -> list[CapturePoint]:
     ]
 
 
-def _attention_name(device: torch.device) -> str:
+def _attention_name(device: torch.device, fused: bool = False) -> str:
+    """What the target was timed with, for the table: triton_paged / torch_folded, ``+fused``
+    when its layers ran the fused kernels."""
     from spectune.models.build import ATTENTION_NAMES, resolve_attention
 
-    return ATTENTION_NAMES[resolve_attention("auto", device)]
+    return ATTENTION_NAMES[resolve_attention("auto", device)] + ("+fused" if fused else "")
 
 
 def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: str | None,
@@ -293,7 +297,7 @@ def build_table(r: Resolved, hardware: Hardware, result: StudyResult, csv_name: 
             drafter_kind=drafter.kind, drafter_layers=drafter.n_layers, dtype=r.dtype,  # type: ignore[arg-type]
             context_len=r.context_len, max_k=r.max_k, max_batch=r.batch_sizes[-1],
             device="cuda" if r.device.type == "cuda" else "cpu",
-            attention=attention or _attention_name(r.device),
+            attention=attention or _attention_name(r.device, r.config.fused),
         ),
         costs=Costs(model=result.params, error=result.error, timer=mode, capture=_capture(result.records),
                     points=_points(result.records), measurements=csv_name),
@@ -355,8 +359,11 @@ def setup(config: ProfileConfig) -> Setup:
     )
     name = r.config.study_name or study_name_for(hardware.gpu, target.name, drafter.name, r.dtype,
                                                  r.context_len, r.max_k)
-    identity = {"target": target.name, "drafter": drafter.name, "dtype": r.dtype, "device": r.device.type,
-                "gpu": hardware.gpu, "attention": _attention_name(r.device)}
+    identity: dict[str, Any] = {"target": target.name, "drafter": drafter.name, "dtype": r.dtype,
+                                "device": r.device.type, "gpu": hardware.gpu,
+                                "attention": _attention_name(r.device, r.config.fused)}
+    if r.config.fused:  # absent when off: studies measured before the option keep their identity
+        identity["fused"] = True
     return Setup(r, plan, name, identity, hardware)
 
 

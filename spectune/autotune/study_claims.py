@@ -53,7 +53,7 @@ OPTION_NAMES = {
     "gpu": "the GPU model", "spectune": "the spectune version", "target": "--target", "drafter": "--drafter",
     "dtype": "--dtype", "context_len": "--context-len", "batch_sizes": "--batch-sizes", "max_k": "--max-k",
     "seed": "--seed", "trials": "--trials", "held_out": "held-out points", "device": "the device type",
-    "tiers": "the tier list", "overhead_source": "the overhead source",
+    "tiers": "the tier list", "overhead_source": "the overhead source", "fused": "--fused",
 }
 
 

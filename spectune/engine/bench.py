@@ -139,6 +139,7 @@ class BenchConfig:
     drift: str | None = None  # "A,B": requests of the second half of each run are served with B
     repeats: int = DEFAULT_REPEATS
     predict_at_measured_accept: bool = True  # the rescaled prediction (a bisection of simulations)
+    fused: bool = False  # target and drafter layers with the fused kernels (kernels/fused.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +284,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     num_blocks = 1 + max_batch * per_request
     act_dtype, fp8 = parse_dtype(dtype)
     models = build_models(args, spec, device=device, dtype=act_dtype, max_batch=max_batch,
-                          max_q=max_k + 1, context_len=max_len, seed=config.seed, fp8=fp8)
+                          max_q=max_k + 1, context_len=max_len, seed=config.seed, fp8=fp8,
+                          fused=config.fused)
     backend = PagedTritonAttention if cuda else TorchPagedAttention
     models.target.backend = backend(args.n_layers, num_blocks, BLOCK_SIZE, args.n_kv_heads, args.head_dim,
                                     act_dtype, device)
@@ -495,7 +497,7 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
         "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
         "tf32": tf32, "near_tie_tolerance": str(tolerance),
-        "decisive_logits": decisive_for(config, setup.dtype),
+        "decisive_logits": decisive_for(config, setup.dtype), "fused": config.fused,
     }
 
 

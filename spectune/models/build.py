@@ -232,6 +232,7 @@ class Models:
     context_len: int
     attention: Literal["triton", "torch"] = "torch"  # resolved backend of every step
     fp8: bool = False  # the target's projections in e4m3 (the drafter stays in ``dtype``)
+    fused: bool = False  # target and drafter layers with the fused kernels (kernels/fused.py)
 
     @property
     def attention_name(self) -> str:
@@ -270,11 +271,12 @@ class Models:
 
 
 def build_target(args: ModelArgs, *, device: torch.device | str, dtype: torch.dtype, fp8: bool = False,
-                 generator: torch.Generator | None = None) -> Transformer:
+                 generator: torch.Generator | None = None, fused: bool = False) -> Transformer:
     """The target with random weights on ``device``; ``fp8``: its projections quantised to e4m3
-    (per output channel, ``kernels/fp8.py``), embeddings, norms and lm_head left in ``dtype``."""
+    (per output channel, ``kernels/fp8.py``), embeddings, norms and lm_head left in ``dtype``;
+    ``fused``: its layers run the fused kernels of ``kernels/fused.py``."""
     dev = torch.device(device)
-    model = Transformer(args, None, device=dev, dtype=dtype, generator=generator)
+    model = Transformer(args, None, device=dev, dtype=dtype, generator=generator, fused=fused)
     if fp8:
         quantize_linears_(model)
         free_device_memory(dev)
@@ -283,15 +285,20 @@ def build_target(args: ModelArgs, *, device: torch.device | str, dtype: torch.dt
 
 def build_models(target: ModelArgs, drafter: DrafterSpec, *, device: torch.device | str,
                  dtype: torch.dtype, max_batch: int, max_q: int, context_len: int,
-                 seed: int = 0, attention: AttentionChoice = "auto", fp8: bool = False) -> Models:
+                 seed: int = 0, attention: AttentionChoice = "auto", fp8: bool = False,
+                 fused: bool = False) -> Models:
     """Allocate the target and drafter weights once on ``device`` (random, seeded). ``attention``:
     "auto" (Triton paged on CUDA, torch folded elsewhere), "triton" or "torch". ``fp8``: the
-    target's projections in e4m3 with ``dtype`` activations; the drafter stays in ``dtype``."""
+    target's projections in e4m3 with ``dtype`` activations; the drafter stays in ``dtype``.
+    ``fused``: target and drafter layers with the fused kernels (residual + RMSNorm, q/k-norm +
+    RoPE, SiLU x mul in one kernel each; their references where Triton cannot run)."""
     _check_positive(max_batch=max_batch, max_q=max_q, context_len=context_len)
     dev = torch.device(device)
     kind = resolve_attention(attention, dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    model = build_target(target, device=dev, dtype=dtype, fp8=fp8, generator=gen)
-    draft = make_drafter(target, drafter, None, target=model, device=dev, dtype=dtype, generator=gen)
+    model = build_target(target, device=dev, dtype=dtype, fp8=fp8, generator=gen, fused=fused)
+    draft = make_drafter(target, drafter, None, target=model, device=dev, dtype=dtype, generator=gen,
+                         fused=fused)
     return Models(args=target, spec=drafter, target=model, drafter=draft, device=dev, dtype=dtype,
-                  max_batch=max_batch, max_q=max_q, context_len=context_len, attention=kind, fp8=fp8)
+                  max_batch=max_batch, max_q=max_q, context_len=context_len, attention=kind, fp8=fp8,
+                  fused=fused)

@@ -11,6 +11,9 @@ embeddings, norms and the lm_head stay in the activation dtype, as FP8 checkpoin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,18 @@ from torch import Tensor, nn
 
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.fp8 import fp8_linear, quantize_weight
+from spectune.kernels.fused import DTYPES as FUSED_DTYPES
+from spectune.kernels.fused import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    qk_norm_rope,
+    qk_norm_rope_ref,
+    rms_norm,
+    rms_norm_ref,
+    silu_mul,
+    silu_mul_ref,
+    triton_runs,
+)
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import ModelArgs
 
@@ -43,6 +58,26 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.qweight, self.scale)
 
 
+@dataclass(frozen=True)
+class LayerOps:
+    """The elementwise pieces of a layer: the torch references or the fused Triton kernels."""
+
+    rms_norm: Callable[..., Tensor]
+    add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
+    silu_mul: Callable[[Tensor], Tensor]
+    qk_norm_rope: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+REFERENCE_OPS = LayerOps(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, qk_norm_rope_ref)
+FUSED_OPS = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_rope)
+
+
+def layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps:
+    """The fused kernels where Triton runs (CUDA, or CPU under ``TRITON_INTERPRET=1``) and takes
+    the dtype (bf16, fp32), else the references (the same maths, unfused)."""
+    return FUSED_OPS if triton_runs(device) and dtype in FUSED_DTYPES else REFERENCE_OPS
+
+
 Weight = nn.Parameter | Fp8Linear
 PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # the weights quantize_linears_ turns into FP8
 
@@ -58,7 +93,7 @@ class RMSNorm(nn.Module):
         self.weight = _empty(dim, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -76,12 +111,6 @@ class Rotary(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, heads, D]; rotate_half(x) = [-x2, x1]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, *, device: Device = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -93,18 +122,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_eps, device=device, dtype=dtype) if args.qk_norm else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttnMeta,
-                backend: AttentionBackend, layer: int) -> Tensor:
+                backend: AttentionBackend, layer: int, ops: LayerOps | None = None) -> Tensor:
         t = x.shape[0]  # x: [T, dim]
-        hq, hkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = linear(x, self.wqkv).split([hq, hkv, hkv], dim=-1)
-        q = q.view(t, self.n_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = linear(x, self.wqkv)  # [T, (H + 2 Hkv) D]
+        qw = self.q_norm.weight if self.q_norm is not None else None
+        kw = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q, k, v = (ops or REFERENCE_OPS).qk_norm_rope(qkv, *rope, qw, kw, eps, self.n_heads,
+                                                      self.n_kv_heads, self.head_dim)
         o = backend(layer, q, k, v, meta)  # [T, H, D]
-        return linear(o.reshape(t, hq), self.wo)
+        return linear(o.reshape(t, self.n_heads * self.head_dim), self.wo)
 
 
 class MLP(nn.Module):
@@ -114,9 +141,8 @@ class MLP(nn.Module):
         self.w13: Weight = _empty(2 * args.intermediate_size, args.dim, device=device, dtype=dtype)  # gate, up
         self.w2: Weight = _empty(args.dim, args.intermediate_size, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = linear(x, self.w13).split([self.inter, self.inter], dim=-1)
-        return linear(F.silu(gate) * up, self.w2)
+    def forward(self, x: Tensor, ops: LayerOps | None = None) -> Tensor:
+        return linear((ops or REFERENCE_OPS).silu_mul(linear(x, self.w13)), self.w2)  # w13: [gate | up]
 
 
 class DecoderLayer(nn.Module):
@@ -131,6 +157,28 @@ class DecoderLayer(nn.Module):
                 backend: AttentionBackend, layer: int) -> Tensor:
         h = x + self.attn(self.attn_norm(x), rope, meta, backend, layer)
         return h + self.mlp(self.mlp_norm(h))
+
+
+def run_layers(layers: Sequence[DecoderLayer], x: Tensor, rope: tuple[Tensor, Tensor], meta: AttnMeta,
+               backend: AttentionBackend, norm: RMSNorm, fused: bool) -> tuple[Tensor, Tensor]:
+    """x [T, dim] through ``layers`` -> (residual stream after the last layer, ``norm`` of it).
+
+    Unfused: each layer as ``DecoderLayer.forward`` reads, then the norm. Fused: the residual is
+    carried beside the normalised input, so each residual add is one kernel with the norm after
+    it (the last one with ``norm``), and q/k-norm + RoPE and SiLU x mul are one kernel each; the
+    references stand in where Triton cannot run (CPU without its interpreter)."""
+    if not fused or not layers:
+        for i, layer in enumerate(layers):
+            x = layer(x, rope, meta, backend, i)
+        return x, norm(x)
+    ops = layer_ops(x.device, x.dtype)
+    residual, h = x, ops.rms_norm(x, layers[0].attn_norm.weight, layers[0].attn_norm.eps)
+    for i, layer in enumerate(layers):
+        a = layer.attn(h, rope, meta, backend, i, ops)
+        h, residual = ops.add_rms_norm(a, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
+        after = layers[i + 1].attn_norm if i + 1 < len(layers) else norm
+        h, residual = ops.add_rms_norm(layer.mlp(h, ops), residual, after.weight, after.eps)
+    return residual, h
 
 
 @torch.no_grad()
@@ -170,10 +218,11 @@ def quantize_linears_(module: nn.Module) -> None:
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None, *,
                  device: Device = None, dtype: torch.dtype | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, fused: bool = False):
         super().__init__()
         self.args = args
         self.backend = backend
+        self.fused = fused  # run_layers with the fused kernels
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
@@ -202,8 +251,6 @@ class Transformer(nn.Module):
             raise RuntimeError("Transformer has no attention backend; assign model.backend first")
         x = F.embedding(input_ids, self.embed)  # [T, dim]
         rope = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, self.backend, i)
-        hidden = self.norm(x)
+        _, hidden = run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend, self.norm, self.fused)
         logits = F.linear(hidden, self.head_weight)
         return (logits, hidden) if return_hidden else logits

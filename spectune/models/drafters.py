@@ -13,6 +13,9 @@ greedy argmax drafts, confidence = softmax probability of the argmax. Both are g
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,7 +23,15 @@ from torch import Tensor, nn
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import DrafterSpec, ModelArgs
-from spectune.models.decoder import DecoderLayer, Device, RMSNorm, Rotary, _empty, init_random_
+from spectune.models.decoder import (
+    DecoderLayer,
+    Device,
+    RMSNorm,
+    Rotary,
+    _empty,
+    init_random_,
+    run_layers,
+)
 
 
 def greedy_confidence(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -35,9 +46,10 @@ class _DrafterBase(nn.Module):
 
     def __init__(self, args: ModelArgs, n_layers: int, backend: AttentionBackend | None, *,
                  target: nn.Module | None, device: Device, dtype: torch.dtype | None,
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, fused: bool = False):
         super().__init__()
         self.args, self.n_layers, self.backend = args, n_layers, backend
+        self.fused = fused  # run_layers with the fused kernels
         self.fc = _empty(args.dim, 2 * args.dim, device=device, dtype=dtype)  # [dim, 2*dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(n_layers))
@@ -63,13 +75,13 @@ class _DrafterBase(nn.Module):
     def head_weight(self) -> Tensor:  # [vocab, dim]
         return self.lm_head if self._own_embed else self._shared[1]  # type: ignore[return-value]
 
-    def _layers(self, x: Tensor, positions: Tensor, meta: AttnMeta) -> Tensor:
+    def _layers(self, x: Tensor, positions: Tensor, meta: AttnMeta) -> tuple[Tensor, Tensor]:
+        """x [T, dim] -> (feature after the last layer, its final norm), each [T, dim]."""
         if self.backend is None:
             raise RuntimeError("drafter has no attention backend; assign drafter.backend first")
         rope = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, self.backend, i)
-        return x
+        return run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend,
+                          self.norm, self.fused)
 
     def _context(self, context_lens: Tensor | None, batch: int, device: torch.device) -> Tensor:
         if context_lens is None:
@@ -82,9 +94,10 @@ class EagleDrafter(_DrafterBase):
 
     def __init__(self, args: ModelArgs, n_layers: int = 1, backend: AttentionBackend | None = None, *,
                  target: nn.Module | None = None, device: Device = None,
-                 dtype: torch.dtype | None = None, generator: torch.Generator | None = None):
+                 dtype: torch.dtype | None = None, generator: torch.Generator | None = None,
+                 fused: bool = False):
         super().__init__(args, n_layers, backend, target=target, device=device, dtype=dtype,
-                         generator=generator)
+                         generator=generator, fused=fused)
 
     @torch.no_grad()
     def propose(self, hidden: Tensor, last_ids: Tensor, k: int, *,
@@ -100,8 +113,8 @@ class EagleDrafter(_DrafterBase):
             step_ctx = ctx + i
             meta = AttnMeta(cu_seqlens_q=cu, context_lens=step_ctx, max_q=1)
             x = F.linear(torch.cat([F.embedding(ids, self.embed_weight), feat], dim=-1), self.fc)
-            feat = self._layers(x, step_ctx.long(), meta)  # [B, dim]
-            ids, conf = greedy_confidence(F.linear(self.norm(feat), self.head_weight))
+            feat, normed = self._layers(x, step_ctx.long(), meta)  # [B, dim] each
+            ids, conf = greedy_confidence(F.linear(normed, self.head_weight))
             drafts.append(ids)
             confs.append(conf)
         if k == 0:
@@ -115,9 +128,10 @@ class BlockDrafter(_DrafterBase):
 
     def __init__(self, args: ModelArgs, n_layers: int = 1, backend: AttentionBackend | None = None, *,
                  target: nn.Module | None = None, device: Device = None,
-                 dtype: torch.dtype | None = None, generator: torch.Generator | None = None):
+                 dtype: torch.dtype | None = None, generator: torch.Generator | None = None,
+                 fused: bool = False):
         super().__init__(args, n_layers, backend, target=target, device=device, dtype=dtype,
-                         generator=generator)
+                         generator=generator, fused=fused)
 
     def _init_extra(self, device: Device, dtype: torch.dtype | None) -> None:
         self.mask_embed = _empty(self.args.dim, device=device, dtype=dtype)  # the MASK token
@@ -138,15 +152,15 @@ class BlockDrafter(_DrafterBase):
         positions = (ctx.long()[:, None] + offs).reshape(b * k)  # [B*k]
         cu = torch.arange(b + 1, dtype=torch.int32, device=hidden.device) * k
         meta = AttnMeta(cu_seqlens_q=cu, context_lens=ctx, max_q=k)
-        feat = self._layers(x.reshape(b * k, dim), positions, meta)  # [B*k, dim]
-        ids, conf = greedy_confidence(F.linear(self.norm(feat), self.head_weight))
+        _, normed = self._layers(x.reshape(b * k, dim), positions, meta)  # [B*k, dim]
+        ids, conf = greedy_confidence(F.linear(normed, self.head_weight))
         return ids.view(b, k), conf.view(b, k)
 
 
 def make_drafter(args: ModelArgs, spec: DrafterSpec, backend: AttentionBackend | None = None, *,
                  target: nn.Module | None = None, device: Device = None,
                  dtype: torch.dtype | None = None,
-                 generator: torch.Generator | None = None) -> EagleDrafter | BlockDrafter:
+                 generator: torch.Generator | None = None, fused: bool = False) -> EagleDrafter | BlockDrafter:
     cls = EagleDrafter if spec.kind == "autoregressive" else BlockDrafter
     return cls(args, spec.n_layers, backend, target=target, device=device, dtype=dtype,
-               generator=generator)
+               generator=generator, fused=fused)

@@ -92,12 +92,13 @@ class Rig:
     requests: list[Request]
 
 
-def make_rig(fp8: bool = False) -> Rig:
+def make_rig(fp8: bool = False, fused: bool = False) -> Rig:
     args = ModelArgs.from_name("tiny")
     max_len = max(PROMPT_LENS) + MAX_NEW + MAX_K + 8
     blocks = 1 + MAX_BATCH * -(-max_len // BLOCK)
     models = build_models(args, parse_drafter("eagle-1l"), device="cpu", dtype=torch.float32,
-                          max_batch=MAX_BATCH, max_q=MAX_K + 1, context_len=max_len, seed=3, fp8=fp8)
+                          max_batch=MAX_BATCH, max_q=MAX_K + 1, context_len=max_len, seed=3, fp8=fp8,
+                          fused=fused)
     models.target.backend = TorchPagedAttention(args.n_layers, blocks, BLOCK, args.n_kv_heads, args.head_dim,
                                                 torch.float32, "cpu")
     fit_cache(models.drafter, 1, batch=MAX_BATCH, ctx_max=max_len + MAX_K, max_q=1)
@@ -260,6 +261,23 @@ def test_fp8_target_speculative_output_is_its_plain_greedy_output():
     load_replay(fp8, base.outputs)
     for arm, concurrency in (("fixed:3", 4), ("fixed:1", 3), ("fixed:2", 1)):
         res = fp8.engine.run(fp8.requests, arm_policy(arm, fp8.engine.tiers), concurrency=concurrency)
+        assert res.outputs == base.outputs, arm
+        assert res.mean_accept_len is not None and res.mean_accept_len > 1.0
+
+
+def test_fused_layers_speculative_output_is_their_plain_greedy_output():
+    # the fused layer kernels (Triton's interpreter on CPU): every fixed K gives the tokens of
+    # plain decoding with the same fused target, and those of the unfused target (float32)
+    fused = make_rig(fused=True)
+    assert fused.target.fused and fused.engine.target is fused.target
+    base = fused.engine.run(fused.requests, FixedPolicy(0, fused.engine.tiers), concurrency=3)
+    assert all(base.done)
+    unfused = make_rig()
+    assert base.outputs == unfused.engine.run(unfused.requests, FixedPolicy(0, unfused.engine.tiers),
+                                              concurrency=3).outputs
+    load_replay(fused, base.outputs)
+    for arm, concurrency in (("fixed:3", 4), ("fixed:1", 3)):
+        res = fused.engine.run(fused.requests, arm_policy(arm, fused.engine.tiers), concurrency=concurrency)
         assert res.outputs == base.outputs, arm
         assert res.mean_accept_len is not None and res.mean_accept_len > 1.0
 

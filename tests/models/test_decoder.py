@@ -180,3 +180,71 @@ def test_fp8_logits_track_the_dense_model_and_rows_stay_independent():
     fp8.backend = fresh_cache(TINY.n_layers, 1, 8, 5, dtype=torch.float32)
     alone = fp8(ids[4:], pos[4:], AttnMeta.from_lens([5], [0], max_q=5))
     torch.testing.assert_close(alone, got[4:])
+
+
+# ---------------------------------------------------------------------------------------------
+# fused layers (kernels/fused.py; Triton's interpreter on CPU)
+
+
+def fused_pair(dtype, args=TINY, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    plain = Transformer(args, device="cpu", dtype=dtype, generator=g)
+    fused = Transformer(args, device="cpu", dtype=dtype, fused=True)
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3 / Llama
+def test_fused_layers_track_the_unfused_decoder(dtype, qk_norm):
+    args = dataclasses.replace(TINY, qk_norm=qk_norm)
+    plain, fused = fused_pair(dtype, args)
+    meta = AttnMeta.from_lens([2, 1, 3], [8, 3, 5], max_q=3)
+    ids = torch.randint(1, TINY.vocab_size, (7,), generator=torch.Generator().manual_seed(3))  # 1 padding row
+    pos = torch.tensor([8, 9, 3, 5, 6, 7, 0])
+    outs = []
+    for model in (plain, fused):
+        cache = fresh_cache(TINY.n_layers, 3, 8, 3, dtype=dtype)
+        cache.randomize_(torch.Generator().manual_seed(5))
+        model.backend = cache
+        outs.append(model(ids, pos, meta, return_hidden=True))
+    (logits, hidden), (f_logits, f_hidden) = outs
+    tol = {"atol": 0.1, "rtol": 0.05} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(f_hidden.float(), hidden.float(), **tol)
+    torch.testing.assert_close(f_logits.float(), logits.float(), **tol)
+    if dtype == torch.float32:
+        assert torch.equal(f_logits[:6].argmax(-1), logits[:6].argmax(-1))
+
+
+def test_fused_layers_fall_back_to_the_references_without_triton(monkeypatch):
+    # CPU without TRITON_INTERPRET: the fused structure with the references, the same maths
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from spectune.models import decoder
+
+    assert decoder.layer_ops(torch.device("cpu"), torch.float32) is decoder.REFERENCE_OPS
+    plain, fused = fused_pair(torch.float64)
+    meta = AttnMeta.from_lens([3], [4], max_q=3)
+    ids, pos = torch.tensor([5, 6, 7]), torch.tensor([4, 5, 6])
+    for model in (plain, fused):
+        model.backend = fresh_cache(TINY.n_layers, 1, 4, 3)
+    torch.testing.assert_close(fused(ids, pos, meta), plain(ids, pos, meta), atol=1e-12, rtol=1e-12)
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16) is decoder.FUSED_OPS
+    assert decoder.layer_ops(torch.device("cuda"), torch.float64) is decoder.REFERENCE_OPS
+
+
+@pytest.mark.parametrize("cls", [EagleDrafter, BlockDrafter])
+def test_fused_drafter_proposes_what_the_unfused_one_does(cls):
+    g = torch.Generator().manual_seed(2)
+    plain = cls(TINY, 2, dtype=torch.float32, generator=g)
+    fused = cls(TINY, 2, dtype=torch.float32, fused=True)
+    fused.load_state_dict(plain.state_dict())
+    causal = cls is EagleDrafter
+    hidden, last = drafter_inputs(3)
+    ctx = torch.tensor([4, 7, 2], dtype=torch.int32)
+    out = []
+    for d in (plain, fused):
+        d.backend = fresh_cache(2, 3, 12, 1 if causal else 3, dtype=torch.float32, causal=causal)
+        d.backend.randomize_(torch.Generator().manual_seed(4))
+        out.append(d.propose(hidden.float(), last, 3, context_lens=ctx))
+    assert torch.equal(out[0][0], out[1][0])
+    torch.testing.assert_close(out[1][1], out[0][1], atol=1e-5, rtol=1e-5)
