@@ -15,18 +15,12 @@ Estimate (counts decay by 1 - 1/window per observed step: about the last ``onlin
 steps, so the estimate describes the requests in flight now -- a window counted in drafts would
 keep a long-gone request's deep positions, which the traffic now in flight no longer reaches):
   rho    = (sum_i A_i + d) / (sum_i T_i * prior_i + d)           pooled drift of the whole curve
-  base_1 = prior_1 * rho,  base_i = prior_i * a_{i-1} / prior_{i-1}   the shrink target: the
-                                                               prior's slope from the previous
-                                                               position's estimate
-  a_i    = (A_i + m * min(1, base_i)) / (T_i + m)               each position's own counts pull
-                                                               it away from the target
+  a_i    = (A_i + m * min(1, prior_i * rho)) / (T_i + m)        each position's own counts pull
+                                                               it away from the drifted prior
   se_i   = sqrt(phi * a_i (1 - a_i) / (T_i + m)),  a_i^-/+ = a_i -/+ z * se_i
 with m = ``SHRINK`` pseudo-drafts and d = ``DRIFT_SHRINK`` pseudo-accepts (as the counts decay
 without new drafts the estimate returns to the prior and its bounds widen). Positions never
-tested (deeper than any K run so far) continue the measured curve along the prior's shape, with
-the prior's uncertainty: acceptance is smooth in position, and a pooled drift, which the first
-positions dominate, would hold them near a falling prior when the traffic does not fall (0.9^i
-at batch 1 under a prior falling 0.77 -> 0.44: K stopped at 7 of a best 10).
+tested (deeper than any K run so far) follow the drifted prior with the prior's uncertainty.
 
 Decision for batch b (every ``online.decide_every`` observed steps for the batch last planned,
 and in ``plan`` when the batch size changes to one whose choice is that stale -- a draining
@@ -339,16 +333,12 @@ class Planner:
         drift = s.drift = (sum(s.A) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
         z, phi, sqrt = self.online.z, s.phi, math.sqrt
         rates, lows, highs = [], [], []
-        ratio = drift
         for A, T, p in zip(s.A, s.T, self.prior, strict=True):
-            # shrink target: position 1 the drifted prior; deeper ones the prior scaled by the
-            # previous position's estimate / prior (acceptance is smooth in position)
-            base = p * ratio
+            base = p * drift
             n = T + SHRINK
             a = ((A if A < T else T) + SHRINK * (base if base < 1.0 else 1.0)) / n
             v = a * (1.0 - a)
             e = z * sqrt(phi * (v if v > 1e-4 else 1e-4) / n)
-            ratio = a / p if p > 0.0 else drift
             rates.append(a)
             lows.append(a - e if a > e else 0.0)
             highs.append(a + e if a + e < 1.0 else 1.0)
