@@ -621,11 +621,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     print(f"served: {out['acceptance']}\ntuned on: {out['tuned_acceptance']}")
-    print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'ITL p50':>8} {'p99':>8} {'accept':>7}  k_hist")
+    print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'full':>10} {'vs best':>8} {'ITL p50':>8} "
+          f"{'p99':>8} {'accept':>7}  k_hist   (full: the steps at full concurrency)")
     for r in out["rows"]:
-        ratio = f"{r['ratio_vs_best_other']:.3f}" if r["ratio_vs_best_other"] is not None else "-"
+        ratio, full_ratio = (f"{r[key]:.3f}" if r[key] is not None else "-"
+                             for key in ("ratio_vs_best_other", "full_ratio_vs_best_other"))
         hist = " ".join(f"{k}:{n}" for k, n in r["k_hist"].items()) if r["arm"] == "auto" else ""
         print(f"{r['concurrency']:>5} {r['arm']:>9} {r['goodput_tok_s'] or 0:>10.1f} {ratio:>8} "
+              f"{r['full_tok_s'] or 0:>10.1f} {full_ratio:>8} "
               f"{r['itl_p50_ms'] or 0:>8.2f} {r['itl_p99_ms'] or 0:>8.2f} {r['mean_accept_len']:>7.2f}  {hist}")
     return 0
 

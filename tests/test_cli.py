@@ -150,6 +150,8 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     auto = next(r for r in out["rows"] if r["arm"] == "auto" and r["concurrency"] == 4)
     best = max(r["goodput_tok_s"] for r in out["rows"] if r["concurrency"] == 4 and r["arm"] != "auto")
     assert auto["ratio_vs_best_other"] == pytest.approx(auto["goodput_tok_s"] / best)
+    best_full = max(r["full_tok_s"] for r in out["rows"] if r["concurrency"] == 4 and r["arm"] != "auto")
+    assert auto["full_ratio_vs_best_other"] == pytest.approx(auto["full_tok_s"] / best_full)
     assert main(["simulate", str(policy), "--concurrency", "2", "--arms", "plain,auto", "--requests", "4",
                  "--drift", "curve:0.9,0.8,curve:0.3,0.1"]) == 0
     text = capsys.readouterr().out

@@ -91,6 +91,8 @@ class SimResult:
     seconds: float
     requests_done: int
     tier_hist: dict[int, int] = field(default_factory=dict)
+    full_tokens: int = 0  # tokens and seconds of the steps that ran at the full concurrency
+    full_seconds: float = 0.0  # (serving under load: a closed run without its ramp and drain)
 
 
 def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -211,6 +213,8 @@ class _Tally:
     done: int = 0
     steps: int = 0
     slot_steps: int = 0
+    full_tokens: int = 0  # steps at the full concurrency
+    full_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -288,7 +292,8 @@ def _verify(run: _Run, batch: _Batch, k: int, granted: np.ndarray, rates: np.nda
     return accepted, ((cols < accepted[:, None]).sum(0), tested.sum(0))
 
 
-def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accepted: np.ndarray) -> None:
+def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accepted: np.ndarray,
+             full: bool) -> None:
     assert plan.tier is not None
     b = len(batch.req)
     emitted = np.minimum(accepted + 1, batch.remaining)
@@ -297,6 +302,9 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
     tally.wts.append(emitted)
     tally.tokens += int(emitted.sum())
     tally.ms += ms
+    if full:
+        tally.full_tokens += int(emitted.sum())
+        tally.full_ms += ms
     power = run.cost.power_w(plan.tier)
     if power is not None:
         tally.joules += float(power) * ms / 1000.0
@@ -347,6 +355,8 @@ def _result(run: _Run, tally: _Tally) -> SimResult:
         seconds=tally.ms / 1000.0,
         requests_done=tally.done,
         tier_hist=dict(sorted(tally.tier_hist.items())),
+        full_tokens=tally.full_tokens,
+        full_seconds=tally.full_ms / 1000.0,
     )
 
 
@@ -414,7 +424,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             rates = _live_rates(run)
             granted = _allocate(run, batch, k, min(plan.verify_budget, b * k), rates)
             accepted, pending = _verify(run, batch, k, granted, rates)
-        _account(run, tally, batch, plan, k, accepted)
+        _account(run, tally, batch, plan, k, accepted, b == concurrency)
         next_req = _retire_and_refill(run, tally, batch, next_req, step + 1)
         if len(batch.req) == 0 or (run.requests is not None and tally.done >= run.requests):
             break

@@ -128,6 +128,7 @@ class Predicted:
     itl_p50_ms: float | None  # mean over seeds of each run's token-weighted quantile
     itl_p99_ms: float | None
     k_hist: dict[int, int] = field(default_factory=dict)  # steps per K over all seeds
+    full_tok_s: float | None = None  # the steps at the full concurrency only (the bench's full_tok_s)
 
 
 def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], PolicyFn], *,
@@ -136,6 +137,7 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
                 accept_scale: float = 1.0) -> Predicted:
     """A closed run of ``requests`` requests of ``decode_tokens`` tokens per seed (module doc)."""
     tokens, seconds, slots, p50, p99 = 0, 0.0, 0, [], []
+    full_tokens, full_seconds = 0, 0.0
     k_hist: dict[int, int] = {}
     for s in seeds:
         sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
@@ -144,6 +146,7 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
                        drift=drift, prior=prior)
         slots += round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
         tokens, seconds = tokens + sim.tokens, seconds + sim.seconds
+        full_tokens, full_seconds = full_tokens + sim.full_tokens, full_seconds + sim.full_seconds
         p50.append(sim.itl_p50_ms)
         p99.append(sim.itl_p99_ms)
         for k, n in sim.k_hist.items():
@@ -151,7 +154,7 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
     rate = tokens / seconds if seconds > 0 else math.inf
     return Predicted(rate if math.isfinite(rate) else None, tokens / max(1, slots),
                      sum(p50) / len(p50) if p50 else None, sum(p99) / len(p99) if p99 else None,
-                     dict(sorted(k_hist.items())))
+                     dict(sorted(k_hist.items())), full_tokens / full_seconds if full_seconds > 0 else None)
 
 
 def best_fixed_k(cost: CostModel, acceptance: AcceptanceModel, max_k: int, *, tiers: Sequence[int] | None = None,
@@ -209,7 +212,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                 return FixedK(k) if k is not None else what.make_planner()
 
             p = predict_arm(planner.cost, what.acceptance, make, **work)
-            here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s,
+            here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
                          "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,
                          "itl_p99_ms": p.itl_p99_ms, "k_hist": {str(k): n for k, n in p.k_hist.items()},
                          "requests": work["requests"], "best_fixed_k": best})
@@ -222,10 +225,14 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
 
 
 def _ratio_to_best_other(rows: list[dict[str, Any]]) -> None:
-    others = [r["goodput_tok_s"] for r in rows if r["arm"] != "auto" and r["goodput_tok_s"]]
-    for r in rows:
-        r["ratio_vs_best_other"] = (r["goodput_tok_s"] / max(others)
-                                    if r["arm"] == "auto" and others and r["goodput_tok_s"] else None)
+    """auto / the best other arm, over the whole closed run (``ratio_vs_best_other``) and over its
+    steps at full concurrency (``full_ratio_vs_best_other``: without the drain, where a drafting
+    arm's requests finish at spread-out steps while plain decoding's fixed-length requests finish
+    together)."""
+    for metric, key in (("goodput_tok_s", "ratio_vs_best_other"), ("full_tok_s", "full_ratio_vs_best_other")):
+        others = [r[metric] for r in rows if r["arm"] != "auto" and r[metric]]
+        for r in rows:
+            r[key] = r[metric] / max(others) if r["arm"] == "auto" and others and r[metric] else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ keep a long-gone request's deep positions, which the traffic now in flight no lo
                                                                it away from the drifted prior
   se_i   = sqrt(phi * a_i (1 - a_i) / (T_i + m)),  a_i^-/+ = a_i -/+ z * se_i
 with m = ``SHRINK`` pseudo-drafts and d = ``DRIFT_SHRINK`` pseudo-accepts (as the counts decay
-without new drafts the estimate returns to the prior and its bounds widen). Positions never tested (deeper than any K run so far) follow
-the drifted prior with the prior's uncertainty.
+without new drafts the estimate returns to the prior and its bounds widen). Positions never
+tested (deeper than any K run so far) follow the drifted prior with the prior's uncertainty.
 
 Decision for batch b (every ``online.decide_every`` observed steps for the batch last planned,
 and in ``plan`` when the batch size changes to one whose choice is that stale -- a draining
@@ -31,7 +31,11 @@ time from the cost model precomputed at load. Expected tokens of a candidate und
 the uniform-spread count ``b + b * S_q + r * s_{q+1}`` (q, r = divmod(B, b); the device ranks by
 per-request confidences, which can only do better). The controller moves from the current
 choice to the candidate whose *lower bound* of the gain -- the smaller goodput ratio under a^-
-and a^+ -- is largest, when that bound exceeds 1 + ``online.margin``.
+and a^+ -- is largest, when that bound exceeds 1 + ``online.margin``. The pessimistic rates are
+a_i on the positions the current shape reaches and a_i^- beyond: what a deeper shape adds is
+its new positions; the shared ones count in both shapes' tokens alike (bounding them too would
+count their uncertainty against every climb, and at batch 1 the deep positions, tested by probes
+only, never get narrow enough for a climb to pass).
 
 Calibration: requests differ, and the pooled conditional rates of a mixture mis-rank K (easy
 requests reach the deep positions, and the in-flight mix itself moves with K). The tuner's exact
@@ -367,7 +371,10 @@ class Planner:
         cur_ms = next((ms for p, ms in self._cands[b] if p is cur or p == cur), None)
         if cur_ms is None:
             return
-        sums = [_survival_sums(r) for r in (s.lo, s.a, s.hi)]
+        # pessimistic rates of a deeper shape: the point estimate on the positions the current
+        # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
+        depth = -(-cur.verify_budget // b)
+        sums = [_survival_sums(r) for r in (s.a[:depth] + s.lo[depth:], s.a, s.hi)]
         cur_fac = self._fac[b][cur]
         tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]
         need = tok_cur[1] * (1.0 + self.online.margin) / cur_ms  # point-estimate goodput to beat

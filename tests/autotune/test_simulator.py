@@ -157,6 +157,21 @@ def test_closed_workload_serves_the_queue_then_drains():
         simulate(constant_cost(), acc, FixedK(2), **{**kw, "requests": None})
 
 
+def test_full_load_counts_only_the_steps_at_full_concurrency():
+    """Plain decoding of fixed-length requests runs whole waves (every step at full
+    concurrency); a drafting arm's requests finish at spread-out steps, so its closed run ends in
+    a drain that the full-load figures leave out. An open run is at full load throughout."""
+    acc = curve(0.8, 0.6, 0.45)
+    kw = dict(concurrency=4, steps=100_000, requests=16, mean_output_tokens=12.0, seed=2,
+              workload="closed", lengths="fixed")
+    plain = simulate(constant_cost(), acc, FixedK(0), **kw)
+    assert plain.full_tokens == plain.tokens and plain.full_seconds == pytest.approx(plain.seconds)
+    drafting = simulate(constant_cost(), acc, FixedK(2), **kw)
+    assert 0 < drafting.full_tokens < drafting.tokens and drafting.full_seconds < drafting.seconds
+    opened = simulate(constant_cost(), acc, FixedK(2), concurrency=4, steps=50, seed=2)
+    assert opened.full_tokens == opened.tokens
+
+
 def test_open_workload_keeps_the_batch_full():
     batches: list[int] = []
 

@@ -263,3 +263,18 @@ def test_candidates_have_step_times_of_their_own_shape():
             assert plan.verify_budget <= b * plan.k
             assert ms == step_ms(p.cost, b, plan.k, plan.tier)
         assert any(plan.k == 0 for plan, _ in p._cands[b])
+
+
+def test_a_deeper_shape_is_judged_on_the_positions_it_adds():
+    """Batch 1, acceptance far above a falling prior: the positions the current K tests are well
+    measured, the deeper ones only by probes. K must climb past where bounding the shared positions
+    too stopped it (K = 6: 0.90 of the best shape's goodput; now K = 7: 0.94)."""
+    prior = [0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35]
+    table = make_table(rows=[Row((1, 4), 2, 8), Row((5, 16), 0, 0)], tiers=list(range(1, 17)), max_k=10,
+                       prior=prior)
+    p = Planner(table)
+    got = run(p, 1, 0.92, 2000)
+    want = best_plan(p, 1, 0.92)
+    sums = _survival_sums([0.92] * p.k_hi)
+    g = {pm[0]: _tokens(sums, 1, pm[0].verify_budget) / pm[1] for pm in p._cands[1]}
+    assert g[got] >= 0.92 * g[want], (got, want)

@@ -1,0 +1,70 @@
+"""`spectune simulate` over served sources: a policy table's closed-run what-if, one table per call.
+
+For each served source (every shipped trace set, 0.9^i, 0.55^i and a drift from one to the
+other: ``spectune.autotune.whatif.heldout_sources``) and concurrency, the path of
+``spectune simulate`` (``whatif.simulate_table``: closed runs of 8 waves per concurrency with their
+drain, a fresh planner per run, 3 seeds pooled, arms plain, fixed:1..7, the best fixed K and its
+neighbours, auto); prints auto / the best other arm over the whole run and over the steps at full
+concurrency, and writes JSON.
+
+    python benchmarks/sim_tables.py spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml \
+        --out benchmarks/results/sim_tables_h200_ctx320.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from spectune.autotune.acceptance import resolve_acceptance
+from spectune.autotune.whatif import WhatIf, heldout_sources, simulate_table
+from spectune.io import atomic_write_text
+from spectune.runtime.planner import load
+
+SOURCES = ("humaneval-ngram", "mtbench-ngram", "humaneval-suffix", "mtbench-suffix", "high-0.9", "low-0.55", "drift")
+
+
+def main(argv: list[str] | None = None) -> int:
+    known = heldout_sources()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("policy")
+    ap.add_argument("--sources", default=",".join(SOURCES), help="names from: " + ", ".join(known))
+    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    names = [n for n in a.sources.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"sim_tables: --sources: unknown {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)
+        return 2
+    concurrency = [int(c) for c in a.concurrency.split(",")]
+    planner = load(a.policy, on_gpu_mismatch="ignore")
+    t0 = time.time()
+    rows = []
+    for name in names:
+        first, second = known[name]
+        what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), resolve_acceptance(first, planner.k_hi),
+                      resolve_acceptance(second, planner.k_hi) if second else None)
+        out = simulate_table(what, concurrency, None)
+        for r in out["rows"]:
+            rows.append({"source": name, **r})
+        print(f"{name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(f"{'source':18s} {'c':>4s} {'auto/best':>9s} {'full load':>9s}  best arm (closed / full)")
+    for r in rows:
+        if r["arm"] != "auto":
+            continue
+        here = [o for o in rows if o["source"] == r["source"] and o["concurrency"] == r["concurrency"] and o["arm"] != "auto"]
+        best = max(here, key=lambda o: o["goodput_tok_s"] or 0.0)["arm"]
+        best_full = max(here, key=lambda o: o["full_tok_s"] or 0.0)["arm"]
+        full = r["full_ratio_vs_best_other"]
+        print(f"{r['source']:18s} {r['concurrency']:4d} {r['ratio_vs_best_other']:9.3f} "
+              f"{full if full is not None else float('nan'):9.3f}  {best} / {best_full}")
+    if a.out:
+        atomic_write_text(a.out, json.dumps({"policy": a.policy, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
