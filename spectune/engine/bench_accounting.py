@@ -217,6 +217,18 @@ def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: floa
     return float(v[order][min(int(np.searchsorted(cw, q * cw[-1])), len(v) - 1)])
 
 
+
+def k_runs(step_shapes: list[tuple[int, int, int]]) -> list[list[int]]:
+    """The run's K over time, run-length coded: ``[[K, steps], ...]`` in step order (when the
+    controller moved, which ``k_hist`` cannot say)."""
+    runs: list[list[int]] = []
+    for _, k, _ in step_shapes:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return runs
+
 def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: RunResult,
             predicted: Prediction, tolerance: NearTie) -> dict[str, Any]:
     lat, wts = res.itl_ms, res.itl_tokens
@@ -241,6 +253,7 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: Run
         "mean_accept_len": res.mean_accept_len if spec else None,
         "mean_accept_len_clean": res.mean_accept_len_clean if spec else None,
         "k_hist": {str(k): n for k, n in res.k_hist.items()},
+        "k_runs": k_runs(res.step_shapes),
         "power_w": getattr(reading, "mean_power_w", None),
         "joules_per_token": energy / res.tokens if energy is not None and res.tokens else None,
         "sm_clock_mhz": getattr(reading, "sm_clock_mhz", None),

@@ -72,6 +72,20 @@ def test_bench_header_and_extra_fields(results):
     for row in data["rows"]:
         assert row["predicted_tok_s_at_measured_steps"] > 0
         assert row["prediction_error"] == pytest.approx(row["decode_tok_s"] / row["predicted_tok_s"] - 1)
+        # K over time, run-length coded: the same steps as k_hist, no two neighbours equal
+        runs = row["k_runs"]
+        assert sum(n for _, n in runs) == row["steps"] and all(a[0] != b[0] for a, b in zip(runs, runs[1:], strict=False))
+        hist = {}
+        for k, n in runs:
+            hist[str(k)] = hist.get(str(k), 0) + n
+        assert hist == row["k_hist"]
+
+
+def test_k_runs_codes_the_steps_in_order():
+    from spectune.engine.bench_accounting import k_runs
+
+    assert k_runs([(4, 2, 8), (4, 2, 8), (4, 0, 4), (3, 2, 6), (3, 2, 6), (3, 2, 6)]) == [[2, 2], [0, 1], [2, 3]]
+    assert k_runs([]) == []
 
 
 @pytest.mark.parametrize("argv, needle", [
