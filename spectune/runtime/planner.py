@@ -49,7 +49,14 @@ size, so a changed K is always a captured shape for the batch it is applied to.
 Exploration (optimism under uncertainty): every ``probe_every``-th step runs the candidate that
 is best under a^+ if that beats the current choice under a^+ -- a shape that could be better
 given what is known -- among shapes of at most ``PROBE_STEP`` more drafts than the choice (a deep
-probe is a costly step: K climbs a step at a time). Deeper positions get tested, so K can climb past positions no shape has
+probe is a costly step: K climbs a step at a time). How often a probe runs follows its cost and
+what it may find: with loss = 1 - G(probe)/G(choice) under the point estimate and up =
+G^+(probe)/G(choice) - 1 under the upper bounds, it runs every max(probe_every * loss / (loss +
+up), loss / margin) steps (at least 1, at most ``probe_every``; every step when the point estimate
+already prefers it; before ``min_evidence``, every ``probe_every`` steps). A probe near even with the choice and with room above it -- batch 1, where a
+probe tests one request's deep positions and K + 2 costs about what K does -- runs often, so K
+climbs in a short run; a costly probe runs rarely, and by the loss / margin term probing never
+costs more than the margin by the point estimate. Deeper positions get tested, so K can climb past positions no shape has
 tested yet, and a batch size at K = 0 keeps drafting now and then, so K = 0 is a choice like any
 other and is left again. Once the estimate is sure the choice is best, no probe runs; as the
 counts decay without new drafts, the bounds widen and probing resumes by itself. Before any
@@ -125,6 +132,7 @@ class OnlineState:
 
     choice: list[Plan]
     probe: list[Plan | None]
+    every: list[int]  # probe interval in steps per batch size (``Planner._decide``)
     decided_at: list[int]
     A: list[float]
     T: list[float]
@@ -256,17 +264,17 @@ class Planner:
         s.last_batch = batch_size
         if 0 < batch_size <= self.max_batch:
             probe = s.probe[batch_size]
-            if probe is not None and self._probe_due():
+            if probe is not None and self._probe_due(s.every[batch_size]):
                 return probe
             return s.choice[batch_size]
         return self._plan_outside(batch_size)
 
-    def _probe_due(self) -> bool:
+    def _probe_due(self, every: int) -> bool:
         s = self._s
         if not self.online.probe_every:
             return False
         s.since_probe += 1
-        if s.since_probe < self.online.probe_every:
+        if s.since_probe < every:
             return False
         s.since_probe = 0
         s.probes += 1
@@ -308,6 +316,7 @@ class Planner:
             self._reset_estimate()
             s.choice = list(self._table)
             s.probe = list(self._first_probe)
+            s.every = [self.online.probe_every] * (self.max_batch + 1)
         self._decide()
 
     def _fold(self) -> None:
@@ -387,6 +396,7 @@ class Planner:
         probe_g = tok_cur[2] / cur_ms  # a probe must beat the choice if acceptance is high
         probe_k = cur.k + PROBE_STEP  # K climbs a step at a time: a deep probe costs a deep step
         fac = self._fac[b]
+        best_ms = probe_ms = cur_ms
         for p, ms in self._cands[b]:  # _tokens inlined: this loop is the controller's host time
             q, r = divmod(p.verify_budget, b)
             if q >= top:
@@ -394,16 +404,29 @@ class Planner:
             c = fac[p]
             t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
             if t_hi > probe_g * ms and p.k <= probe_k:
-                probe, probe_g = p, t_hi / ms  # optimistic: best under the upper bounds
+                probe, probe_g, probe_ms = p, t_hi / ms, ms  # optimistic: best under the upper bounds
             if p is cur or (b + b * S_mid[q] + r * s_mid[q + 1]) * c <= need * ms:
                 continue  # the point estimate's gain is below the margin, so is its lower bound
             t_lo = (b + b * S_lo[q] + r * s_lo[q + 1]) * c
             lb = min(t_lo / tok_cur[0], t_hi / tok_cur[2]) * cur_ms / ms
             if lb > best_lb:
-                best, best_lb = p, lb
+                best, best_lb, best_ms = p, lb, ms
         if best != cur:
             s.choice[b] = best
-        s.probe[b] = probe if probe != best else None
+        s.probe[b] = probe = probe if probe != best else None
+        s.every[b] = every = self.online.probe_every
+        if probe is not None and every and best_lb != math.inf:  # the cadence needs min_evidence too
+            # a probe costs what its point estimate loses against the choice and may find what its
+            # upper bound gains over it: it runs the more often the larger that upside is against
+            # the cost (a cheap probe with room above runs often, a costly or a hopeless one rarely)
+            g_best = _tokens(sums[1], b, best.verify_budget) * fac[best] / best_ms
+            loss = 1.0 - _tokens(sums[1], b, probe.verify_budget) * fac[probe] / probe_ms / g_best
+            up = probe_g / g_best - 1.0
+            if loss <= 0.0:
+                s.every[b] = 1
+            elif up > 0.0:  # and never so often that probing costs more than the margin
+                n = max(every * loss / (loss + up), loss / self.online.margin if self.online.margin else every)
+                s.every[b] = max(1, min(every, math.ceil(n)))
 
     # -- what the controller knows --------------------------------------------------------------
 
@@ -466,6 +489,7 @@ class Planner:
     def _fresh_state(self) -> OnlineState:
         self._s = OnlineState(
             choice=list(self._table), probe=list(self._first_probe),
+            every=[self.online.probe_every] * (self.max_batch + 1),
             decided_at=[-self.online.decide_every] * (self.max_batch + 1),
             A=[], T=[], Af=[], Tf=[], pa=[], pt=[], a=[], lo=[], hi=[])
         self._reset_estimate()
