@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n, _, _ in picked]
     try:
         own = {n: [int(c) for c in cs.split("/")] for n, _, cs in picked if cs}
-        conc = sorted({int(c) for c in args.concurrency.split(",")} | {c for cs in own.values() for c in cs})
+        base = [int(c) for c in args.concurrency.split(",")]
+        conc = sorted(set(base) | {c for cs in own.values() for c in cs})
     except ValueError:
         print(f"heldout_ab: error: --sources/--concurrency: concurrencies must be integers, got "
               f"{args.sources!r} / {args.concurrency!r}", file=sys.stderr)
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
                          max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, device=args.device,
                          target=args.target, time_limit_s=args.time_limit, repeats=args.repeats, progress=False,
                          predict_at_measured_accept=False)
-    base = [int(c) for c in args.concurrency.split(",")]
     jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json"), own.get(n, base)) for n in names]
     try:
         results = run_sources(config, jobs)
