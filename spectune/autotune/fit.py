@@ -79,40 +79,74 @@ def _outliers(rel_resid: np.ndarray) -> np.ndarray:
     return bad
 
 
-def fit_target(tokens: Values, batch: Values, ms: Values, context: float,
-               *, trim: bool = True) -> TargetCost:
-    """Fit t(n, b) = weight + token*n + compute*max(0, n-knee) + (kv + kv_verify*[n>b]) * b*c/1e6.
+# candidate GEMM row tiles past the knee; the fit keeps one only where held-back points prefer it
+TILES = (1, 16, 32, 64, 128)
+CV_FOLDS = 10
 
-    With ``trim``, a few points far off the first fit (a throttled or preempted measurement) are
-    dropped and the fit is repeated once."""
+
+def fit_target(tokens: Values, batch: Values, ms: Values, context: float,
+               *, trim: bool = True, tiles: Sequence[int] = TILES) -> TargetCost:
+    """Fit t(n, b) = weight + token*n + compute*max(0, tile(n)-knee) + (kv + kv_verify*[n>b]) * b*c/1e6.
+
+    The tile is the one of ``tiles`` with the smallest cross-validated relative error
+    (``CV_FOLDS`` folds of the points in key order), kept over a smaller one only when it is at
+    least 2 % better: points whose token counts are all whole tiles cannot tell tiles apart, and
+    then the fit keeps no tiling. With ``trim``, a few points far off the first fit (a throttled
+    or preempted measurement) are dropped and the fit is repeated once."""
     n = np.asarray(tokens, float)  # [P] step tokens (padded)
     b = np.asarray(batch, float)  # [P] real requests
     y = np.asarray(ms, float)  # [P]
     if len(y) < 3:
         raise FitError(f"target: need at least 3 feasible points, got {len(y)}")
+    if len(tiles) > 1:
+        tiles = (_cv_tile(n, b, y, context, tiles),)
     if trim:
-        first = fit_target(n, b, y, context, trim=False)
+        first = fit_target(n, b, y, context, trim=False, tiles=tiles)
         pred = np.array([target_ms(first, ni, bi, context) for ni, bi in zip(n, b, strict=True)])
         bad = _outliers(pred / y - 1.0)
         if bad.any():
-            return fit_target(n[~bad], b[~bad], y[~bad], context, trim=False)
+            return fit_target(n[~bad], b[~bad], y[~bad], context, trim=False, tiles=tiles)
         return first
+    tile = int(tiles[0])
+    nt = np.ceil(n / tile) * tile
     kv = b * context / 1e6
     verify = (n > b).astype(float)
     best: tuple[float, float, np.ndarray] | None = None
     for knee in _knee_candidates(n):
-        x = np.stack([np.ones_like(n), n, np.maximum(0.0, n - knee), kv, kv * verify], axis=1)
+        x = np.stack([np.ones_like(n), n, np.maximum(0.0, nt - knee), kv, kv * verify], axis=1)
         coef, sse = _nnls_rel(x, y)
         if best is None or sse < best[0] - 1e-12:
             best = (sse, float(knee), coef)
     assert best is not None
     _, knee, c = best
     if c[2] <= 0.0:
-        knee = float(n.max())  # no compute-bound segment inside the measured range
+        knee, tile = float(n.max()), 1  # no compute-bound segment inside the measured range
     return TargetCost(
         weight_ms=float(c[0]), token_ms=float(c[1]), knee_tokens=knee, compute_ms=float(c[2]),
-        kv_ms_per_mtok=float(c[3]), kv_verify_ms_per_mtok=float(c[4]),
+        kv_ms_per_mtok=float(c[3]), kv_verify_ms_per_mtok=float(c[4]), tile_tokens=tile,
     )
+
+
+def _cv_tile(n: np.ndarray, b: np.ndarray, y: np.ndarray, context: float, tiles: Sequence[int]) -> int:
+    folds = min(CV_FOLDS, len(y))
+    if folds < 3:
+        return int(min(tiles))
+    which = np.arange(len(y)) % folds
+    errors = {}
+    for tile in sorted(tiles):
+        err = []
+        for f in range(folds):
+            fit, held = which != f, which == f
+            if fit.sum() < 3:
+                continue
+            p = fit_target(n[fit], b[fit], y[fit], context, trim=False, tiles=(tile,))
+            err += [abs(target_ms(p, ni, bi, context) / yi - 1.0) for ni, bi, yi in zip(n[held], b[held], y[held], strict=True)]
+        errors[tile] = float(np.mean(err)) if err else math.inf
+    best = min(tiles)
+    for tile in sorted(tiles):
+        if errors[tile] < 0.98 * errors[best]:
+            best = tile
+    return int(best)
 
 
 def fit_drafter(

@@ -3,7 +3,7 @@
 - A point is a :class:`PointSpec` (kind, batch, tokens, q | k) with a deterministic ``key``
   (``target:b=4:q=2``); the key is what workers claim, so no key is ever measured twice.
 - Phases: ``seed`` (sparse grid: log-spaced batch sizes x a few q / K, every tier, a few overhead
-  sizes), ``held_out`` (>= 10 seeded random batch sizes off the grid, measured but not fitted; they
+  sizes, a few target points of odd token counts so the fit sees partial GEMM tiles), ``held_out`` (>= 10 seeded random batch sizes off the grid, measured but not fitted; they
   give the reported error) and ``adaptive``: rounds of a few points each, chosen by refitting the
   cost model on bootstrap resamples and taking the candidates (any allowed batch x q / K) with the
   largest relative spread of predictions, doubled near batch sizes where the best K under a default
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from spectune.autotune.fit import FitError, fit_drafter, fit_target
+from spectune.autotune.fit import TILES, FitError, fit_drafter, fit_target
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import drafter_ms, target_ms
 from spectune.runtime.table import DrafterKind, PointKind
@@ -133,9 +133,28 @@ def _q_values(max_k: int) -> tuple[int, ...]:
     return tuple(sorted(set(qs + [max_k + 1])))
 
 
+def off_tile_targets(plan: StudyPlan) -> list[PointSpec]:
+    """Target points whose token counts are odd (an odd batch size near 1.5x each grid size from
+    4 up, x q = 3 and q = max_k when odd): the grid's counts are powers of two times its batch
+    sizes, whole GEMM tiles, so without these the fit cannot see what a partial tile costs."""
+    grid = grid_batches(plan.batch_sizes)
+    odd = [s for s in plan.batch_sizes if s % 2 and s not in grid]
+    qs = sorted({q for q in (3, plan.max_k) if q % 2 and 1 < q <= plan.max_k + 1})
+    pts: list[PointSpec] = []
+    for g in grid:
+        if g < 4 or not odd or not qs:
+            continue
+        b = min(odd, key=lambda s: (abs(math.log(s / (1.5 * g))), s))
+        if abs(math.log(b / (1.5 * g))) > math.log(1.25):
+            continue
+        pts += [target_point(b, q) for q in qs]
+    return list({p.key: p for p in pts}.values())
+
+
 def seed_points(plan: StudyPlan) -> list[PointSpec]:
     grid = grid_batches(plan.batch_sizes)
     pts = [target_point(b, q) for b in grid for q in _q_values(plan.max_k)]
+    pts += off_tile_targets(plan)
     pts += [drafter_point(b, k) for b in grid for k in _draft_lengths(plan.max_k)]
     pts += [PointSpec("tier", max(1, min(plan.max_batch, t // 2)), t) for t in plan.tiers]
     pts += [PointSpec("overhead", b, n) for b in grid for n in sorted({b, b * (plan.max_k + 1)})]
@@ -147,7 +166,7 @@ def held_out_points(plan: StudyPlan) -> list[PointSpec]:
     rng = np.random.default_rng(plan.seed + 7919)
     grid = set(grid_batches(plan.batch_sizes))
     off = [b for b in plan.batch_sizes if b not in grid] or list(plan.batch_sizes)
-    seen: set[str] = set()
+    seen = {p.key + ":held" for p in off_tile_targets(plan)}  # never the shape of a fitted point
     pts: list[PointSpec] = []
     for _ in range(plan.held_out * 20):
         if len(pts) >= plan.held_out:
@@ -175,10 +194,11 @@ def _candidates(plan: StudyPlan) -> list[PointSpec]:
     return pts + [drafter_point(b, k) for b in sizes for k in range(1, plan.max_k + 1)]
 
 
-def _fit_parts(recs: Sequence[dict[str, Any]], plan: StudyPlan) -> tuple[Any, Any]:
+def _fit_parts(recs: Sequence[dict[str, Any]], plan: StudyPlan, tiles: Sequence[int] = TILES) -> tuple[Any, Any]:
     tgt = [r for r in recs if r["kind"] in ("target", "tier")]
     dft = [r for r in recs if r["kind"] == "drafter"]
-    t = fit_target([r["tokens"] for r in tgt], [r["batch"] for r in tgt], [r["ms"] for r in tgt], plan.context_len)
+    t = fit_target([r["tokens"] for r in tgt], [r["batch"] for r in tgt], [r["ms"] for r in tgt], plan.context_len,
+                   tiles=tiles)
     d = fit_drafter([r["batch"] for r in dft], [r["k"] for r in dft], [r["ms"] for r in dft],
                     plan.drafter_kind, plan.context_len)
     return t, d
@@ -212,18 +232,22 @@ def choose_adaptive(plan: StudyPlan, records: Sequence[dict[str, Any]], exclude:
     if not cands or n <= 0:
         return []
     rng = np.random.default_rng(plan.seed + len(recs))
+    full: tuple[Any, Any] | None = None
+    with contextlib.suppress(FitError):
+        full = _fit_parts(recs, plan)
+    tiles = (full[0].tile_tokens,) if full is not None else (1,)  # the bootstraps keep the full fit's tile
     preds = []
     for _ in range(BOOTSTRAPS):
         sample = [recs[i] for i in rng.integers(0, len(recs), len(recs))]
         with contextlib.suppress(FitError):
-            parts = _fit_parts(sample, plan)
+            parts = _fit_parts(sample, plan, tiles)
             preds.append([_predict(parts, p, plan) for p in cands])
     if len(preds) < 2:
         return cands[:: max(1, len(cands) // n)][:n]
     arr = np.asarray(preds)  # [bootstraps, candidates]
     score = arr.std(axis=0) / np.maximum(arr.mean(axis=0), 1e-9)
-    with contextlib.suppress(FitError):
-        best = best_k_by_batch(_fit_parts(recs, plan), plan)
+    if full is not None:
+        best = best_k_by_batch(full, plan)
         sizes = plan.batch_sizes
         near: set[int] = set()
         for lo, hi in zip(sizes[:-1], sizes[1:], strict=True):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -376,12 +377,31 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
         engine.run(warm, policy, concurrency=concurrency)
         planner.restore_online(state)  # the short warm-up teaches the controller nothing
         setup.warmed.add((concurrency, arm))
-    if power is None:
-        return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
-                          reference=reference), None
-    with power.measure() as region:
-        res = engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s, reference=reference)
+    with quiet_gc():
+        if power is None:
+            return engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
+                              reference=reference), None
+        with power.measure() as region:
+            res = engine.run(requests, policy, concurrency=concurrency, time_limit_s=time_limit_s,
+                             reference=reference)
     return res, region.reading
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside a timed run: the objects alive before it are frozen out
+    of the collector's view and collection is off until the run ends (a full collection over the
+    bench's traces and rows is a pause of a few hundred ms, the size of a slow 2-second run)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+        gc.unfreeze()
 
 
 @contextlib.contextmanager

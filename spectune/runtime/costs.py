@@ -35,9 +35,14 @@ def target_ms(p: TargetCost, tokens: float, batch: float, context: float, *, ver
     return (
         p.weight_ms
         + p.token_ms * tokens
-        + p.compute_ms * max(0.0, tokens - p.knee_tokens)
+        + p.compute_ms * max(0.0, tiled(tokens, p.tile_tokens) - p.knee_tokens)
         + kv * batch * context / 1e6
     )
+
+
+def tiled(tokens: float, tile: int) -> float:
+    """``tokens`` rounded up to a whole number of tiles of ``tile`` rows."""
+    return tokens if tile <= 1 else math.ceil(tokens / tile) * tile
 
 
 def drafter_ms(p: DrafterCost, kind: DrafterKind, batch: float, k: int, context: float) -> float:

@@ -111,11 +111,14 @@ class Workload:
 class TargetCost:
     """Target verification step, roofline-shaped in total step tokens ``n`` (padded to the tier):
 
-    t(n, b, c) = weight_ms + token_ms * n + compute_ms * max(0, n - knee_tokens)
+    t(n, b, c) = weight_ms + token_ms * n + compute_ms * max(0, tile(n) - knee_tokens)
                  + (kv_ms_per_mtok + kv_verify_ms_per_mtok * [n > b]) * b * c / 1e6
     (b = real requests, c = context length; padded rows cost linear layers but read no KV).
     kv_verify_ms_per_mtok is the extra KV cost of a verification step (query length > 1) when the
     attention does not read each request's KV once (e.g. GQA heads expanded per query); 0 when it does.
+    tile(n) = n rounded up to a multiple of ``tile_tokens``: past the knee the GEMMs are compute
+    bound and run whole tiles of rows, so 290 tokens cost what 320 do (1 = no tiling; the fit
+    chooses it by cross-validation).
     """
 
     weight_ms: float
@@ -124,10 +127,12 @@ class TargetCost:
     compute_ms: float
     kv_ms_per_mtok: float
     kv_verify_ms_per_mtok: float = 0.0
+    tile_tokens: int = 1
 
     def validate(self, path: str) -> None:
         for name in ("weight_ms", "token_ms", "knee_tokens", "compute_ms", "kv_ms_per_mtok", "kv_verify_ms_per_mtok"):
             require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+        require(1 <= self.tile_tokens <= 4096, f"{path}.tile_tokens", f"must be in 1..4096, got {self.tile_tokens}")
         require(self.weight_ms + self.token_ms > 0, f"{path}.weight_ms",
                 "a target step takes time: weight_ms + token_ms must be > 0")
 

@@ -62,6 +62,35 @@ def test_one_outlier_is_trimmed():
     assert got.kv_ms_per_mtok == pytest.approx(TRUE.kv_ms_per_mtok, rel=0.05)
 
 
+def _with_odd_tokens(p: TargetCost, noise: float, seed: int = 0):
+    # the seed grid plus odd token counts (odd batch x odd q), as the study seeds them
+    n, b, y = target_data(p, noise, seed)
+    rng = np.random.default_rng(seed + 1)
+    odd = [(bb * q, bb) for bb in (7, 13, 25, 49, 97, 193) for q in (3, 7)]
+    n2, b2 = (np.array(x, float) for x in zip(*odd, strict=True))
+    y2 = np.array([target_ms(p, ni, bi, CTX) for ni, bi in zip(n2, b2, strict=True)])
+    y2 *= 1 + noise * rng.standard_normal(len(y2))
+    return np.concatenate([n, n2]), np.concatenate([b, b2]), np.concatenate([y, y2])
+
+
+@pytest.mark.parametrize("tile", [32, 64, 128])
+def test_gemm_tile_is_chosen_from_odd_token_counts(tile):
+    true = TargetCost(5.0, 0.002, 128, 0.025, 30.0, tile_tokens=tile)
+    got = fit_target(*_with_odd_tokens(true, 0.003), CTX)
+    assert got.tile_tokens == tile
+    for bb, q in [(29, 10), (45, 5), (59, 4), (150, 3)]:  # partial tiles the fit never saw
+        assert target_ms(got, bb * q, bb, CTX) == pytest.approx(target_ms(true, bb * q, bb, CTX), rel=0.02)
+
+
+def test_no_tile_without_evidence():
+    # a GPU without tile steps: odd token counts show none, so no tiling is chosen
+    assert fit_target(*_with_odd_tokens(TRUE, 0.003), CTX).tile_tokens == 1
+    # token counts all whole tiles of 128 past the knee cannot tell tiles apart: no tiling
+    tiled = TargetCost(5.0, 0.002, 128, 0.025, 30.0, tile_tokens=128)
+    n, b, y = target_data(tiled, 0.0)
+    assert fit_target(n, b, y, CTX).tile_tokens == 1
+
+
 @pytest.mark.parametrize("kind,true", [
     ("autoregressive", DrafterCost(fixed_ms=0.1, step_ms=0.4, token_ms=0.003)),
     ("parallel", DrafterCost(fixed_ms=0.6, step_ms=0.0, token_ms=0.002, kv_ms_per_mtok=5.0)),

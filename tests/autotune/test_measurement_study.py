@@ -326,3 +326,17 @@ def test_status_counts_points_and_workers(tmp_path):
     run(p, FakeRoofline(), journal)
     (st,) = study_status(journal, "test")
     assert st.complete and st.remaining == 0 and sum(w.done for w in st.workers) == p.total_points
+
+
+def test_seed_has_odd_token_counts_never_held_out():
+    from spectune.autotune.measurement_plan import off_tile_targets
+
+    p = StudyPlan(batch_sizes=tuple(range(1, 65)), max_k=15, drafter_kind="parallel", context_len=2048)
+    odd = off_tile_targets(p)
+    assert odd and all(pt.tokens % 2 == 1 for pt in odd)
+    assert {pt.key for pt in odd} <= {pt.key for pt in seed_points(p)}
+    shapes = {(pt.batch, pt.q) for pt in odd}
+    assert not shapes & {(pt.batch, pt.q) for pt in held_out_points(p) if pt.kind == "target"}
+    # only powers of two allowed: no odd size to seed with
+    assert off_tile_targets(StudyPlan(batch_sizes=(1, 2, 4, 8, 16), max_k=3, drafter_kind="parallel",
+                                      context_len=2048)) == []

@@ -108,3 +108,17 @@ def test_replay_confidences_are_request_history_never_the_sampled_rates():
     assert rd.rates_cum.tolist() == pytest.approx([0.0, 0.6, 0.9])
     rd.reset_history()
     assert rd.hist_acc.sum() == 0 and rd.rates.tolist() == pytest.approx([0.8, 0.5])
+
+
+def test_timed_runs_collect_no_garbage():
+    import gc
+
+    from spectune.engine.bench import quiet_gc
+
+    assert gc.isenabled()
+    with quiet_gc():
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), quiet_gc():
+        raise RuntimeError("a run that fails")
+    assert gc.isenabled() and gc.get_freeze_count() == 0

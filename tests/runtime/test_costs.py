@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from spectune.errors import TableError
 from spectune.runtime.costs import CostModel, TargetResiduals, consistent_rows
 from spectune.runtime.costs import target_ms as fit_ms
 from spectune.runtime.planner import step_ms
@@ -115,3 +116,14 @@ def test_tune_for_a_shorter_context_records_it_and_the_planner_uses_it(tmp_path)
     from spectune.errors import TableError
     with pytest.raises(TableError, match="context_len"):
         bad.validate("policy")
+
+
+def test_past_the_knee_a_partial_tile_costs_a_whole_one():
+    tiled = TargetCost(weight_ms=6.0, token_ms=0.02, knee_tokens=256.0, compute_ms=0.01, kv_ms_per_mtok=30.0,
+                       tile_tokens=64)
+    assert fit_ms(tiled, 290, 29, 2048) == pytest.approx(fit_ms(tiled, 320, 29, 2048) - 0.02 * 30)
+    assert fit_ms(tiled, 257, 29, 2048) > fit_ms(TARGET, 257, 29, 2048) + 0.01 * 62
+    # below the knee the weight read dominates: tiles change nothing
+    assert fit_ms(tiled, 100, 10, 2048) == pytest.approx(fit_ms(TARGET, 100, 10, 2048))
+    with pytest.raises(TableError, match="tile_tokens"):
+        TargetCost(6.0, 0.02, 256.0, 0.01, 30.0, tile_tokens=0).validate("costs.model.target")
