@@ -321,6 +321,7 @@ def scaled_table(table: Table, scales: dict[str, float], error: CostError, n_poi
         fixed_ms=dr.fixed_ms * d,
         step_ms=dr.step_ms * d,
         token_ms=dr.token_ms * d,
+        compute_ms=dr.compute_ms * d,
         kv_ms_per_mtok=dr.kv_ms_per_mtok * d,
     )
     overhead = replace(

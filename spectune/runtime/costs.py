@@ -49,7 +49,8 @@ def drafter_ms(p: DrafterCost, kind: DrafterKind, batch: float, k: int, context:
     if k <= 0:
         return 0.0  # K = 0: the drafter does not run
     steps, per_step = (k, batch) if kind == "autoregressive" else (1, batch * k)
-    return p.fixed_ms + steps * (p.step_ms + p.token_ms * per_step + p.kv_ms_per_mtok * batch * context / 1e6)
+    compute = p.compute_ms * max(0.0, per_step - p.knee_tokens) if p.compute_ms else 0.0
+    return p.fixed_ms + steps * (p.step_ms + p.token_ms * per_step + compute + p.kv_ms_per_mtok * batch * context / 1e6)
 
 
 def overhead_ms(p: OverheadCost, tokens: float) -> float:

@@ -144,16 +144,21 @@ class DrafterCost:
     autoregressive (EAGLE/MTP): K sequential steps of b tokens each;
     parallel (DFlash-style block): one forward over b*K tokens.
     t(b, K) = 0 if K == 0 else fixed_ms + steps * (step_ms + token_ms * tokens_per_step
+                                                   + compute_ms * max(0, tokens_per_step - knee_tokens)
                                                    + kv_ms_per_mtok * b * c / 1e6)
+    A parallel drafter's forward over b*K tokens turns compute bound past a knee as the target's
+    does (compute_ms > 0); an autoregressive drafter's steps of b tokens stay below it (0).
     """
 
     fixed_ms: float
     step_ms: float
     token_ms: float
     kv_ms_per_mtok: float = 0.0
+    compute_ms: float = 0.0
+    knee_tokens: float = 0.0
 
     def validate(self, path: str) -> None:
-        for name in ("fixed_ms", "step_ms", "token_ms", "kv_ms_per_mtok"):
+        for name in ("fixed_ms", "step_ms", "token_ms", "kv_ms_per_mtok", "compute_ms", "knee_tokens"):
             require(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
 
 

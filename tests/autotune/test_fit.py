@@ -94,6 +94,9 @@ def test_no_tile_without_evidence():
 @pytest.mark.parametrize("kind,true", [
     ("autoregressive", DrafterCost(fixed_ms=0.1, step_ms=0.4, token_ms=0.003)),
     ("parallel", DrafterCost(fixed_ms=0.6, step_ms=0.0, token_ms=0.002, kv_ms_per_mtok=5.0)),
+    # the H200 DFlash drafter's shape: weight-bound to ~220 tokens, then compute bound
+    ("parallel", DrafterCost(fixed_ms=0.6, step_ms=0.0, token_ms=0.0023, kv_ms_per_mtok=0.8, compute_ms=0.0015,
+                             knee_tokens=220.0)),
 ])
 def test_drafter_recovered(kind, true):
     rng = np.random.default_rng(1)
