@@ -9,11 +9,19 @@ concurrency, and writes JSON.
 
     python benchmarks/sim_tables.py spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml \
         --out benchmarks/results/sim_tables_h200_ctx320.json
+
+The held-out H200 bench (``benchmarks/heldout_ab.py``) serves another protocol: 48 requests of
+64 tokens at c = 16 (3 waves), and one planner across its repeats after a training run. Its drift
+cell differs by that alone (0.963 of the best fixed K with it, 1.04 with the defaults):
+
+    python benchmarks/sim_tables.py POLICY --sources drift --concurrency 16 --requests 48 \
+        --decode-tokens 63 --repeats 5 --shared-planner
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,8 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("policy")
     ap.add_argument("--sources", default=",".join(SOURCES), help="names from: " + ", ".join(known))
     ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--requests", type=int, help="requests per concurrency (default: 8 waves, at least 64)")
+    ap.add_argument("--decode-tokens", type=int, default=127, help="decode tokens per request")
+    ap.add_argument("--repeats", type=int, default=3, help="seeds per (concurrency, arm), pooled")
+    ap.add_argument("--shared-planner", action="store_true",
+                    help="auto: one planner trained by a first run serves every seed (the bench's protocol)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    for option, value in (("--requests", a.requests), ("--decode-tokens", a.decode_tokens), ("--repeats", a.repeats)):
+        if value is not None and value < 1:
+            print(f"sim_tables: {option}: must be >= 1, got {value}", file=sys.stderr)
+            return 2
     names = [n for n in a.sources.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -46,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         first, second = known[name]
         what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), resolve_acceptance(first, planner.k_hi),
-                      resolve_acceptance(second, planner.k_hi) if second else None)
+                      resolve_acceptance(second, planner.k_hi) if second else None,
+                      decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner)
+        if a.requests is not None:
+            what = dataclasses.replace(what, requests=lambda c: a.requests)
         out = simulate_table(what, concurrency, None)
         for r in out["rows"]:
             rows.append({"source": name, **r})

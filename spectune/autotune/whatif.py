@@ -13,7 +13,8 @@ per concurrency, plain, every fixed K and auto over common-random-number seeds; 
 names the served sources a table tuned on the public curve is judged on.
 
 Arms (as in the bench): ``plain`` (K = 0), ``fixed:K`` (K drafts for every request, all verified),
-``auto`` (a fresh planner per run, ``make_planner()``, so online state never leaks between runs).
+``auto`` (a fresh planner per run, ``make_planner()``, so online state never leaks between runs;
+with ``WhatIf.shared`` one planner trained by a first run serves every seed, as the bench serves).
 Default arms: plain, every fixed K 1..min(max_k, 7), the best fixed K by the simulator and its
 neighbours, auto. The bench's default: plain, the best fixed K and its neighbours, auto.
 """
@@ -189,6 +190,8 @@ class WhatIf:
     repeats: int = 3  # seeds per (concurrency, arm), pooled
     decode_tokens: int = 127
     seed: int = 0
+    shared: bool = False  # auto: one planner for every seed, trained first by an untimed run of the
+    # first seed (the bench's protocol, ``engine.bench.train_online``); else a fresh one per run
 
 
 def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str] | None) -> dict[str, Any]:
@@ -205,11 +208,14 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
         best = best_fixed_k(planner.cost, what.acceptance, max_k, **work)
         chosen = arms if arms is not None else default_arms(max_k, best)
         here = []
+        trained = _trained_planner(what, planner.cost, work) if what.shared else None
         for arm in chosen:
             k = parse_arm(arm)
 
-            def make(k: int | None = k) -> Any:
-                return FixedK(k) if k is not None else what.make_planner()
+            def make(k: int | None = k, trained: Any = trained) -> Any:
+                if k is not None:
+                    return FixedK(k)
+                return trained if trained is not None else what.make_planner()
 
             p = predict_arm(planner.cost, what.acceptance, make, **work)
             here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
@@ -222,6 +228,15 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     tuned = table.acceptance.get("source") if table.acceptance else None
     return {"rows": rows, "acceptance": served, "tuned_acceptance": tuned, "drift": what.drift is not None,
             "context_len": planner.cost.context_len, "repeats": what.repeats}
+
+
+def _trained_planner(what: WhatIf, cost: CostModel, work: dict[str, Any]) -> Any:
+    """A fresh planner after one closed run of the first seed's traffic (with drift, both halves:
+    the timed runs start adapted to the second half and must detect the switch)."""
+    planner = what.make_planner()
+    run = {key: v for key, v in work.items() if key != "seeds"}
+    predict_arm(cost, what.acceptance, lambda: planner, seeds=[what.seed], **run)
+    return planner
 
 
 def _ratio_to_best_other(rows: list[dict[str, Any]]) -> None:

@@ -74,7 +74,14 @@ and phi stays <= ``PHI_MAX``: a gradual shift gives D^2 just under the change te
 decision, and learning from it would raise the test's own threshold until no shift is detected
 and the upper bounds send the probes ever deeper (measured in a closed drift run that the bench
 repeats: phi 1 -> 12.7 over six runs, auto 0.92-0.95 of the best fixed K; with the clip and the
-cap 0.94-0.98).
+cap 0.94-0.98). A shift can also come gradually, as the in-flight mix turns over while requests
+finish, and stay under that test decision after decision (the fast window lags the shift and the
+estimate follows part of it): a closed drift run of 48 requests at batch 16 (0.9^i, then 0.55^i)
+kept K = 6 through its 0.55^i half with |D| <= 4.2. So each block of ``decide_every`` steps is
+also tested, before it enters the estimate, against the estimate's own rates A_i / T_i (Page's
+CUSUM test, ``Planner._page``): the block's deviations add up, and a sustained shift of a few
+sigma per block fires within a few blocks. After a change the block that showed it is the new
+estimate's first evidence, so the decision made then can already leave the old choice.
 
 Batch sizes above the table's range reuse the last batch size's choice, with the budget cut to
 fit the largest tier (counted in ``Planner.clamped``); a batch larger than the largest tier gets
@@ -104,6 +111,8 @@ MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the chang
 PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
 PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
+CUSUM_SLACK = 0.5  # Page's test: a block's standardized deviation counts beyond this many sigma
+CUSUM_LIMIT = 8.0  # ... and a change fires once the sum passes this (~10^4 blocks between false alarms)
 
 
 class PolicyMismatch(SpectuneError):
@@ -145,6 +154,8 @@ class OnlineState:
     hi: list[float]
     drift: float = 1.0
     phi: float = 1.0  # overdispersion of the acceptance counts (1 = binomial)
+    rise: float = 0.0  # Page's sums of the blocks' deviations from the estimate (``Planner._page``)
+    fall: float = 0.0
     steps: int = 0  # observed steps
     folded: int = 0  # observed steps already folded into A/T
     since_probe: int = 0
@@ -310,23 +321,28 @@ class Planner:
         s.steps += 1
         if s.steps % self.online.decide_every:
             return  # estimate, test and decide every decide_every observed steps
-        self._fold()
+        block = self._fold()
         if self._changed():  # forget the old traffic (its deep positions would stay stale) and
             s.changes += 1  # its choices: back to the table until the new traffic is measured
             self._reset_estimate()
+            if block is not None:  # the block that showed the change is the new traffic's first
+                s.A, s.T, s.Af, s.Tf = list(block[0]), list(block[1]), list(block[0]), list(block[1])
+                self._estimate()  # evidence: the decision below uses it, not a block later
             s.choice = list(self._table)
             s.probe = list(self._first_probe)
             s.every = [self.online.probe_every] * (self.max_batch + 1)
         self._decide()
 
-    def _fold(self) -> None:
+    def _fold(self) -> tuple[list[float], list[float]] | None:
         """Decay the counts by the steps since the last fold and add the block's counts (a block's
         steps weigh alike: within ``decide_every`` steps the decay is at most a few per cent), then
         re-estimate."""
         s = self._s
         m = s.steps - s.folded
         if m <= 0:
-            return
+            return None
+        self._page()
+        block = (s.pa, s.pt)
         g, gf = self._keep ** m, self._keep_fast ** m
         s.A = [g * x + p for x, p in zip(s.A, s.pa, strict=True)]
         s.T = [g * x + p for x, p in zip(s.T, s.pt, strict=True)]
@@ -335,6 +351,29 @@ class Planner:
         s.pa, s.pt = [0.0] * self.k_hi, [0.0] * self.k_hi
         s.folded = s.steps
         self._estimate()
+        return block
+
+    def _page(self) -> None:
+        """Page's test (CUSUM) of the block about to be folded in, against the counts it has not
+        entered yet: over the positions the estimate knows from counts of its own (T_i >= m)
+          D_b = sum_i (A_b,i - T_b,i A_i / T_i) / sqrt(phi * sum_i T_b,i a_i (1 - a_i) (1 + T_b,i / T_i))
+        (the last factor: the old rate's own uncertainty; the raw rates A_i / T_i, not the shrunk
+        a_i, so a prior that does not fit stationary traffic is not taken for a shift), and
+        rise = max(0, rise + D_b - slack), fall = max(0, fall - D_b - slack). A sustained shift of
+        a few sigma per block crosses ``CUSUM_LIMIT`` in a few blocks, also one that the
+        fast-window test never sees pass change_z."""
+        s = self._s
+        x = e = v = 0.0
+        for pa, t, a, A, T in zip(s.pa, s.pt, s.a, s.A, s.T, strict=True):
+            if t and T >= SHRINK:
+                w = a * (1.0 - a)
+                x, e = x + pa, e + t * A / T
+                v += t * (w if w > 1e-4 else 1e-4) * (1.0 + t / T)
+        if v <= 0.0:  # (no minimum count: how many drafts a block tests depends on how many
+            return  # it accepted, and keeping only the blocks that tested many would bias D up)
+        d = (x - e) / math.sqrt(s.phi * v)
+        s.rise = max(0.0, s.rise + d - CUSUM_SLACK)
+        s.fall = max(0.0, s.fall - d - CUSUM_SLACK)
 
     def _estimate(self) -> None:
         s = self._s
@@ -358,6 +397,8 @@ class Planner:
         (requests differ, and a few requests in the window move the estimate more than binomial
         noise would: at batch 1 the window holds only a handful of them)."""
         s = self._s
+        if max(s.rise, s.fall) > CUSUM_LIMIT:
+            return True  # Page's test of the blocks (``_page``)
         e = v = 0.0
         for t, a in zip(s.Tf, s.a, strict=True):
             e += t * a
@@ -498,6 +539,7 @@ class Planner:
     def _reset_estimate(self) -> None:
         s, n = self._s, self.k_hi
         s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
+        s.rise = s.fall = 0.0
         s.folded = s.steps
         self._estimate()
 

@@ -45,7 +45,9 @@ def test_policy_holds_on_traffic_it_was_not_tuned_on(table, source):
         floor = FLOOR_BATCH1 if r["concurrency"] == 1 else FLOOR
         assert r["auto_over_best"] >= floor, f"{source} c={r['concurrency']}: auto = {r['auto_over_best']:.3f} x {r['best_other']}"
         assert r["auto_over_plain"] >= 0.99, f"{source} c={r['concurrency']}: auto below plain"
-    assert min(r["auto_over_best"] for r in rows) <= 1.05  # not vacuous: auto cannot beat the best arm by much
+    if drift is None:  # not vacuous: on stationary traffic auto cannot beat the best arm by much (on a
+        # drift it can: no single fixed K fits both halves, and the controller follows the shift)
+        assert min(r["auto_over_best"] for r in rows) <= 1.05
 
 
 @pytest.mark.slow

@@ -311,3 +311,63 @@ def test_probes_stay_rare_where_they_cost_and_cannot_gain():
     got = run(p, 4, 0.3, n)
     assert _goodput_ratio(p, 4, 0.3, got) >= 0.99
     assert p.probes <= n / table.policy.online.probe_every + 2
+
+
+def settled_at_0_9(steps: int) -> Planner:
+    p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=TIERS_WIDE, min_k=0))
+    run(p, 8, 0.9, steps)
+    assert p.changes == 0
+    return p
+
+
+def serve_rates(p: Planner, b: int, rates: list[float], stop_at_change: bool = False) -> None:
+    """One step per rate in ``rates`` (plan, then observe its expected counters)."""
+    for rate in rates:
+        plan = p.plan(b)
+        p.observe(*counters(plan, b, rate))
+        if stop_at_change and p.changes:
+            return
+
+
+def test_a_gradual_shift_below_the_fast_test_is_detected():
+    # acceptance slides from 0.9 to 0.8 over three decisions and stays there: the fast window's
+    # D^2 never passes change_z^2 (it lags the slide, and the estimate follows part of it), so
+    # without Page's test of the blocks the estimate is still ~0.88 two hundred drafts later
+    p = settled_at_0_9(600)
+    serve_rates(p, 8, [0.9 - 0.1 * (i + 1) / 24 for i in range(24)] + [0.8] * 24)
+    assert p.changes == 1 and abs(p.rates[0] - 0.8) < 0.02
+
+
+def test_the_block_that_shows_a_change_seeds_the_new_estimate():
+    p = settled_at_0_9(400)
+    serve_rates(p, 8, [0.1] * 64, stop_at_change=True)
+    # at the step the change fires the estimate already holds the new traffic (not the prior),
+    # so the decision made then can leave the old choice
+    assert p.changes == 1 and p.evidence > 0 and p.rates[0] < 0.3
+    assert p.plan(8).k < 4
+
+
+def noisy_counters(plan: Plan, b: int, rate: float, rng: random.Random) -> tuple[list[float], list[float]]:
+    """Sampled counters of one step: each request's granted drafts tested in order until one is
+    rejected, each accepted with probability ``rate``."""
+    acc, tested = [0.0] * plan.k, [0.0] * plan.k
+    q, r = divmod(plan.verify_budget, b)
+    for j in range(b):
+        for i in range(q + (j < r)):
+            tested[i] += 1
+            if rng.random() >= rate:
+                break
+            acc[i] += 1
+    return acc, tested
+
+
+@pytest.mark.parametrize("b, rate", [(1, 0.5), (1, 0.8), (8, 0.5), (8, 0.95)])
+def test_stationary_sampled_counters_raise_no_change(b, rate):
+    # a block's tested count depends on what it accepted (a batch-1 block tests many drafts when
+    # it accepted many): Page's test must not take that for a shift
+    rng = random.Random(1)
+    p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=TIERS_WIDE, min_k=0))
+    for _ in range(6000):
+        plan = p.plan(b)
+        p.observe(*noisy_counters(plan, b, rate, rng))
+    assert p.changes == 0
