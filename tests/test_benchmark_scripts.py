@@ -294,3 +294,21 @@ def test_fused_step_dry_run_on_cpu(tmp_path, capsys):
     assert "fused/compiled" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--batches"):
         mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
+
+
+def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, capsys):
+    from spectune.runtime.table import read_table
+
+    mod = load("refit_profile")
+    src = Path("spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fp8.yaml")
+    out = tmp_path / "refit.yaml"
+    assert mod.main([str(src), "--out", str(out)]) == 0
+    old, new = read_table(src), read_table(out)
+    assert new.costs.points == old.costs.points and new.costs.model.overhead == old.costs.model.overhead
+    assert new.costs.error.held_out == old.costs.error.held_out
+    # the same points and held-out set; only the model's form differs (here: it takes a row tile)
+    assert new.costs.model.target.tile_tokens > 1 and new.costs.error.median_rel < old.costs.error.median_rel
+    assert "before: held-out median 3.02%" in capsys.readouterr().out
+    policy = Path("spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fp8.policy.yaml")
+    assert mod.main([str(policy), "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "a policy table" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
