@@ -587,6 +587,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None,
                    help="requests per run (default 8 x concurrency within 64..1024)")
     p.add_argument("--repeats", type=int, default=3, help="seeds per (concurrency, arm), pooled (default 3)")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help="new tokens per request (default 127; `spectune bench`'s --max-new-tokens minus 1)")
+    p.add_argument("--shared-planner", action="store_true",
+                   help="auto: one planner, trained by a first untimed run, serves every seed (what "
+                        "`spectune bench` does with --repeats) instead of a fresh planner per run")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_simulate)
 
@@ -599,7 +604,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from spectune.autotune.whatif import WhatIf, parse_arms, simulate_table, split_drift
     from spectune.runtime.planner import load
 
-    for option, value in (("--requests", args.requests), ("--repeats", args.repeats)):
+    for option, value in (("--requests", args.requests), ("--repeats", args.repeats),
+                          ("--decode-tokens", args.decode_tokens)):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1, got {value}")
     concurrency = _positive_ints(args.concurrency, "--concurrency")
@@ -613,7 +619,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         served, drift = resolve_acceptance(first, max_k), resolve_acceptance(second, max_k)
     else:
         served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
-    what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats)
+    what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats,
+                  shared=args.shared_planner)
+    if args.decode_tokens is not None:
+        what = dataclasses.replace(what, decode_tokens=args.decode_tokens)
     if args.requests is not None:
         what = dataclasses.replace(what, requests=lambda c: args.requests)
     out = simulate_table(what, concurrency, arms)

@@ -156,6 +156,16 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
                  "--drift", "curve:0.9,0.8,curve:0.3,0.1"]) == 0
     text = capsys.readouterr().out
     assert "served: drift: curve:0.9,0.8 -> curve:0.3,0.1" in text and "auto" in text
+    # the bench's protocol: one planner, trained first, serves both seeds; shorter requests
+    loads.clear()
+    assert main(["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "4",
+                 "--arms", "fixed:1,auto", "--requests", "8", "--repeats", "2", "--decode-tokens", "16",
+                 "--shared-planner", "--json"]) == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert len(loads) == 2 + 1  # the table (cli, whatif), then the one trained planner
+    fixed = next(r for r in shared["rows"] if r["arm"] == "fixed:1")
+    long = next(r for r in out["rows"] if r["arm"] == "fixed:1" and r["concurrency"] == 4)
+    assert fixed["goodput_tok_s"] > 0 and fixed != long
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -164,6 +174,7 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     (["--drift", "curve:0.9,0.8"], "--drift"),
     (["--acceptance", "nonsense"], "nonsense"),
     (["--repeats", "0"], "--repeats"),
+    (["--decode-tokens", "0"], "--decode-tokens"),
 ])
 def test_simulate_bad_input(tmp_path, capsys, argv, needle):
     from tests.engine.test_engine import write_policy
