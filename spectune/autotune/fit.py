@@ -99,7 +99,10 @@ def fit_target(tokens: Values, batch: Values, ms: Values, context: float,
     if len(y) < 3:
         raise FitError(f"target: need at least 3 feasible points, got {len(y)}")
     if len(tiles) > 1:
-        tiles = (_cv_tile(n, b, y, context, tiles),)
+        # a tile needs room: at least 4 of it in the measured range, else its rounded column is
+        # nearly constant and trades against weight_ms (at tokens 1..4 a tile of 128 is all of it)
+        room = [t for t in tiles if t == 1 or 4 * t <= float(n.max())] or [min(tiles)]
+        tiles = (_cv_tile(n, b, y, context, room),) if len(room) > 1 else (int(room[0]),)
     if trim:
         first = fit_target(n, b, y, context, trim=False, tiles=tiles)
         pred = np.array([target_ms(first, ni, bi, context) for ni, bi in zip(n, b, strict=True)])
@@ -113,11 +116,15 @@ def fit_target(tokens: Values, batch: Values, ms: Values, context: float,
     verify = (n > b).astype(float)
     best: tuple[float, float, np.ndarray] | None = None
     for knee in _knee_candidates(n):
-        x = np.stack([np.ones_like(n), n, np.maximum(0.0, nt - knee), kv, kv * verify], axis=1)
+        col = np.maximum(0.0, nt - knee)
+        if tile > 1 and np.ptp(col) == 0.0 and col[0] > 0.0:
+            continue  # the same for every point: it would only stand in for weight_ms
+        x = np.stack([np.ones_like(n), n, col, kv, kv * verify], axis=1)
         coef, sse = _nnls_rel(x, y)
         if best is None or sse < best[0] - 1e-12:
             best = (sse, float(knee), coef)
-    assert best is not None
+    if best is None:  # every knee was skipped: no tiling
+        return fit_target(n, b, y, context, trim=False, tiles=(1,))
     _, knee, c = best
     if c[2] <= 0.0:
         knee, tile = float(n.max()), 1  # no compute-bound segment inside the measured range

@@ -157,3 +157,14 @@ def test_fit_cost_model_leaves_out_held_out_and_infeasible():
     params = fit_cost_model(recs, drafter_kind="autoregressive", context_len=CTX)
     assert params.target.weight_ms == pytest.approx(TRUE.weight_ms, rel=0.02)
     assert params.overhead.base_ms == 0.0 and params.power is None
+
+
+def test_a_tile_never_stands_in_for_the_weight_read():
+    # a tiny CPU profile (batch 1-2, K <= 1: 1-4 tokens) must not pick a tile (16 here, before the
+    # fix), whose rounded column is constant and would take the weight read's place
+    n = np.array([1.0, 2.0, 2.0, 4.0, 1.0, 2.0, 4.0])
+    b = np.array([1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0])
+    y = np.array([2.689, 2.176, 2.283, 3.281, 1.954, 2.746, 1.668])  # noisy wall-clock times
+    got = fit_target(n, b, y, 256)
+    assert got.tile_tokens == 1 and got.weight_ms + got.token_ms > 0
+    got.validate("costs.model.target")
