@@ -81,7 +81,10 @@ least the choice: its tokens were measured in a block of their own, the choice's
 (a wrong move is a close call, and the old choice is tried in turn). Page's test compares a block
 of a K with counts of its own against those counts, so moving between K's is no shift. Where
 acceptance does not depend on K, each K's counts agree with the pooled ones (c_K ~ 1) and a trial
-confirms the model at a cost below TRIAL_COST * margin.
+confirms the model at a cost below TRIAL_COST * margin. Trials (and the rule that a K with counts
+of its own is not probed) hold where one block tests at least ``TRIAL_DRAFTS`` first drafts: at
+batch 1 a block measures a handful of drafts, and probes explore there as before (with trials at
+batch 1 the tuned curve fell to 0.981 of the best fixed K in tests/autotune/test_heldout.py).
 
 A change detector compares a fast window (``change_window`` steps) with the estimate:
     D = (A_fast - sum_i T_fast_i a_i) / sqrt(sum_i T_fast_i a_i (1 - a_i))
@@ -140,6 +143,7 @@ REGIME_CLIP = 0.1  # a K's measured correction of the pooled model stays within 
 TRIAL_GAP = 0.05  # a shape of another K this close to the choice (point estimate) is a close call
 TRIAL_STEPS = 16  # ... and is run for this many steps in a row when its K has no counts of its own
 TRIAL_COST = 0.25  # trials cost at most this fraction of the margin (point estimate)
+TRIAL_DRAFTS = 4 * REGIME_SHRINK  # trials run where one block tests at least this many first drafts
 NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
@@ -579,6 +583,9 @@ class Planner:
         tried, s.tried[b] = s.tried[b], 0
         tried_p: Plan | None = None  # the best shape of the K a trial just measured
         tried_g = tok_cur[1] / cur_ms
+        # a trial must be able to measure its K: at a small batch its block holds a few drafts,
+        # and probes (one step at a time) explore there as before
+        trials = b * (TRIAL_STEPS - REGIME_SETTLE) >= TRIAL_DRAFTS and self.online.probe_every > 0
         best, best_lb = cur, 1.0 + self.online.margin
         if self.evidence < self.online.min_evidence:
             best_lb = math.inf  # too little evidence to move; probes still run
@@ -597,7 +604,7 @@ class Planner:
             c, u, n_k = corr[k]
             c *= fac[p]
             t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
-            if t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k):
+            if t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k or not trials):
                 # optimistic: best under the upper bounds (a K measured in a block of its own is
                 # not probed: one step of it inside another K's run measures neither; trials do)
                 probe, probe_g, probe_ms = p, t_hi / ms, ms
@@ -615,7 +622,7 @@ class Planner:
             lb = min(t_lo / tok_cur[0], t_hi / tok_cur[2]) * cur_ms / ms
             if lb > best_lb:
                 best, best_lb, best_ms = p, lb, ms
-        if best == cur and tried_p is not None:
+        if best == cur and tried_p is not None and trials:
             # a trial block just measured its K at least as good as the choice (point estimate): the
             # pooled bounds guard positions no shape has tested, but this K's tokens were measured
             # in a block of their own, and the choice is a prediction (a wrong move is a close call,
@@ -624,8 +631,7 @@ class Planner:
         if best != cur:
             s.choice[b] = best
             s.trial[b] = None
-        elif trial is not None and s.trial[b] is None and n_cur >= REGIME_SHRINK and self.online.probe_every \
-                and best_lb != math.inf:
+        elif trial is not None and trials and s.trial[b] is None and n_cur >= REGIME_SHRINK and best_lb != math.inf:
             # a close call of another K without counts of its own (or one whose gain they do not
             # resolve): the pooled rates may not hold at its K, so run it for a block and let its
             # own counts correct its prediction; as often as what it loses (point estimate)
