@@ -62,6 +62,30 @@ other and is left again. Once the estimate is sure the choice is best, no probe 
 counts decay without new drafts, the bounds widen and probing resumes by itself. Before any
 decision, a batch size the table runs at K = 0 probes K = 1.
 
+Acceptance that depends on K: the model above takes the rates measured at one K to hold at
+another, and they need not (an n-gram match is a span, and a larger K crosses it in fewer steps,
+so fewer steps start inside one: HumanEval n-gram at batch 32 accepts position 1 0.325 of the time
+at K = 1 and 0.29 at K = 2, and the pooled rates rank K = 2 first where K = 1 is faster). So the
+counts of each step well inside a run of one K (after ``REGIME_SETTLE`` steps of it: the first
+steps start where the old K left the requests) also go to that K's own decayed counts, and each K
+with counts of its own gets a correction of the pooled model, c_K = tokens per request at K under
+its own rates (shrunk toward the pooled ones by ``REGIME_SHRINK`` pseudo-drafts) over those under
+the pooled rates, with a relative error u_K (``_regimes``); every shape of that K scores c_K times
+its pooled tokens. A K with counts of its own is not probed (one step of it inside another K's run
+measures neither). Trials: a shape of another K within ``TRIAL_GAP`` of the choice (point
+estimate) whose own counts are missing, or whose gain is unresolved (it could beat the margin
+within z * sqrt(u_K^2 + u_choice^2)), runs ``TRIAL_STEPS`` steps in a row, as often as what it
+loses allows (every TRIAL_STEPS * loss / (``TRIAL_COST`` * margin) steps, so trials cost at most
+that fraction of the margin). The decision right after a trial takes the tried K if it scores at
+least the choice: its tokens were measured in a block of their own, the choice's are a prediction
+(a wrong move is a close call, and the old choice is tried in turn). Page's test compares a block
+of a K with counts of its own against those counts, so moving between K's is no shift. Where
+acceptance does not depend on K, each K's counts agree with the pooled ones (c_K ~ 1) and a trial
+confirms the model at a cost below TRIAL_COST * margin. Trials (and the rule that a K with counts
+of its own is not probed) hold where one block tests at least ``TRIAL_DRAFTS`` first drafts: at
+batch 1 a block measures a handful of drafts, and probes explore there as before (with trials at
+batch 1 the tuned curve fell to 0.981 of the best fixed K in tests/autotune/test_heldout.py).
+
 A change detector compares a fast window (``change_window`` steps) with the estimate:
     D = (A_fast - sum_i T_fast_i a_i) / sqrt(sum_i T_fast_i a_i (1 - a_i))
 and D^2 > ``change_z``^2 * phi empties the estimate (``Planner.changes`` counts the resets): the new
@@ -95,7 +119,7 @@ import os
 import warnings
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import add
 from typing import Any, Literal
 
@@ -113,6 +137,14 @@ PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
 CUSUM_SLACK = 0.5  # Page's test: a block's standardized deviation counts beyond this many sigma
 CUSUM_LIMIT = 8.0  # ... and a change fires once the sum passes this (~10^4 blocks between false alarms)
+REGIME_SETTLE = 2  # steps after K changes whose counters stay out of the new K's own counts
+REGIME_SHRINK = 32.0  # pseudo-drafts at the pooled rate per position in a K's own estimate
+REGIME_CLIP = 0.1  # a K's measured correction of the pooled model stays within 1 -/+ this
+TRIAL_GAP = 0.05  # a shape of another K this close to the choice (point estimate) is a close call
+TRIAL_STEPS = 16  # ... and is run for this many steps in a row when its K has no counts of its own
+TRIAL_COST = 0.25  # trials cost at most this fraction of the margin (point estimate)
+TRIAL_DRAFTS = 4 * REGIME_SHRINK  # trials run where one block tests at least this many first drafts
+NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
 class PolicyMismatch(SpectuneError):
@@ -164,10 +196,35 @@ class OnlineState:
     probes: int = 0  # probe steps run
     clamped: int = 0  # batches above the table's range
     uncaptured: int = 0  # batches above the largest tier
+    # per K (``Planner._regimes``): decayed counts of the steps run inside a settled run of that K
+    # (RA/RT [K][K], last decayed at step Rat[K]); of the pending block, the K of its settled steps
+    # (rk, 0: none yet), how many (rq) and the sum of its other steps' counts (ra/rt); the K of the
+    # last plans returned and how many in a row (run_k/run_len); per K the correction (c, u,
+    # first-position counts); per batch size the trial shape, its steps left and the step it started
+    RA: list[list[float]] = field(default_factory=list)
+    RT: list[list[float]] = field(default_factory=list)
+    Rat: list[int] = field(default_factory=list)
+    rk: int = 0
+    rq: int = 0
+    ra: list[float] = field(default_factory=list)
+    rt: list[float] = field(default_factory=list)
+    run_k: int = -1
+    run_len: int = 0
+    corr: list[tuple[float, float, float]] = field(default_factory=list)
+    trial: list[Plan | None] = field(default_factory=list)
+    trial_left: list[int] = field(default_factory=list)
+    trial_at: list[float] = field(default_factory=list)
+    tried: list[int] = field(default_factory=list)  # K of a trial that ended, not yet judged (0: none)
+    trials: int = 0  # trial blocks started
 
     def copy(self) -> OnlineState:
-        lists: dict[str, Any] = {f: list(v) for f, v in vars(self).items() if isinstance(v, list)}
-        return replace(self, **lists)
+        out: dict[str, Any] = {}
+        for f, v in vars(self).items():
+            if isinstance(v, list):
+                out[f] = [list(x) if isinstance(x, list) else x for x in v]
+            elif isinstance(v, dict):
+                out[f] = dict(v)
+        return replace(self, **out)
 
 
 def row_budget(row: Row, batch: int) -> int:
@@ -274,11 +331,22 @@ class Planner:
             # (on the estimate of the last fold: at most decide_every - 1 steps old)
         s.last_batch = batch_size
         if 0 < batch_size <= self.max_batch:
-            probe = s.probe[batch_size]
-            if probe is not None and self._probe_due(s.every[batch_size]):
-                return probe
-            return s.choice[batch_size]
-        return self._plan_outside(batch_size)
+            plan = s.trial[batch_size]
+            if plan is not None:  # a trial block of another K (``_decide``): no probes meanwhile
+                s.trial_left[batch_size] -= 1
+                if s.trial_left[batch_size] <= 0:  # ended: the next decision judges it
+                    s.trial[batch_size], s.tried[batch_size] = None, plan.k
+            else:
+                plan = s.probe[batch_size]
+                if plan is None or not self._probe_due(s.every[batch_size]):
+                    plan = s.choice[batch_size]
+        else:
+            plan = self._plan_outside(batch_size)
+        if plan.k == s.run_k:  # how many plans in a row ran this K (``observe``: settled blocks)
+            s.run_len += 1
+        else:
+            s.run_k, s.run_len = plan.k, 1
+        return plan
 
     def _probe_due(self, every: int) -> bool:
         s = self._s
@@ -318,6 +386,12 @@ class Planner:
             off = off[:m] + [0.0] * (n - m)
         s.pa = list(map(add, s.pa, acc))
         s.pt = list(map(add, s.pt, off))
+        k = s.run_k  # a step well inside a run of K (of the last plans returned, so also with a
+        if s.run_len > REGIME_SETTLE and k > 0 and (s.rk == k or not s.rk):  # copy a step late)
+            s.rk, s.rq = k, s.rq + 1
+        elif k > 0:  # any other step: kept out of the block's K counts (``_fold_regime``)
+            s.ra = list(map(add, s.ra, acc)) if s.ra else list(acc)
+            s.rt = list(map(add, s.rt, off)) if s.rt else list(off)
         s.steps += 1
         if s.steps % self.online.decide_every:
             return  # estimate, test and decide every decide_every observed steps
@@ -331,6 +405,7 @@ class Planner:
             s.choice = list(self._table)
             s.probe = list(self._first_probe)
             s.every = [self.online.probe_every] * (self.max_batch + 1)
+            self._clear_trials()
         self._decide()
 
     def _fold(self) -> tuple[list[float], list[float]] | None:
@@ -348,10 +423,31 @@ class Planner:
         s.T = [g * x + p for x, p in zip(s.T, s.pt, strict=True)]
         s.Af = [gf * x + p for x, p in zip(s.Af, s.pa, strict=True)]
         s.Tf = [gf * x + p for x, p in zip(s.Tf, s.pt, strict=True)]
+        self._fold_regime()
         s.pa, s.pt = [0.0] * self.k_hi, [0.0] * self.k_hi
         s.folded = s.steps
         self._estimate()
         return block
+
+    def _fold_regime(self) -> None:
+        """Add the block's settled steps of K ``rk`` (its counts less those of its other steps) to
+        K's own counts, decayed to now."""
+        s = self._s
+        k = s.rk
+        if k and s.rq:
+            acc, off = s.pa[:k], s.pt[:k]
+            if s.rt:
+                acc = [x - y for x, y in zip(acc, s.ra, strict=False)]
+                off = [x - y for x, y in zip(off, s.rt, strict=False)]
+            if off[0] > 0.0:
+                if s.RT[k]:
+                    g = self._keep ** (s.steps - s.Rat[k])
+                    s.RA[k] = [g * x + y for x, y in zip(s.RA[k], acc, strict=True)]
+                    s.RT[k] = [g * x + y for x, y in zip(s.RT[k], off, strict=True)]
+                else:
+                    s.RA[k], s.RT[k] = acc, off
+                s.Rat[k] = s.steps
+        s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
 
     def _page(self) -> None:
         """Page's test (CUSUM) of the block about to be folded in, against the counts it has not
@@ -361,10 +457,17 @@ class Planner:
         a_i, so a prior that does not fit stationary traffic is not taken for a shift), and
         rise = max(0, rise + D_b - slack), fall = max(0, fall - D_b - slack). A sustained shift of
         a few sigma per block crosses ``CUSUM_LIMIT`` in a few blocks, also one that the
-        fast-window test never sees pass change_z."""
+        fast-window test never sees pass change_z. A block run at one K with counts of its own
+        (``_regimes``) is tested against that K's counts on its positions: acceptance may depend on
+        the K run, and a K that differs from the pooled mix is no shift."""
         s = self._s
         x = e = v = 0.0
-        for pa, t, a, A, T in zip(s.pa, s.pt, s.a, s.A, s.T, strict=True):
+        As, Ts, k = s.A, s.T, s.rk
+        if k and s.rq == s.steps - s.folded and s.RT[k]:
+            g = self._keep ** (s.steps - s.Rat[k])
+            if s.RT[k][0] * g >= SHRINK:
+                As, Ts = [g * x for x in s.RA[k]] + As[k:], [g * x for x in s.RT[k]] + Ts[k:]
+        for pa, t, a, A, T in zip(s.pa, s.pt, s.a, As, Ts, strict=True):
             if t and T >= SHRINK:
                 w = a * (1.0 - a)
                 x, e = x + pa, e + t * A / T
@@ -391,6 +494,50 @@ class Planner:
             lows.append(a - e if a > e else 0.0)
             highs.append(a + e if a + e < 1.0 else 1.0)
         s.a, s.lo, s.hi = rates, lows, highs
+        self._regimes()
+
+    def _regimes(self) -> None:
+        """Each K's correction of the pooled model from its own counts (``RA/RT[K]``, steps run in a
+        settled block of K): per position the K's own rate shrunk toward the pooled one,
+          a_K,i = (RA_i + M a_i) / (RT_i + M),   M = ``REGIME_SHRINK``,
+        the tokens per request at K under those rates over those under the pooled ones,
+          c_K = (1 + S_K(a_K)) / (1 + S_K(a))   (clipped to 1 -/+ ``REGIME_CLIP``),
+        and its relative standard error u_K (delta method over the positions, the data part of
+        each shrunk rate: var = phi a_K,i (1 - a_K,i) RT_i / (RT_i + M)^2)."""
+        s = self._s
+        phi, corr = s.phi, [NO_CORR] * (self.k_hi + 1)
+        lo_c, hi_c = 1.0 - REGIME_CLIP, 1.0 + REGIME_CLIP
+        for k, T in enumerate(s.RT):
+            if not T:
+                continue
+            g = self._keep ** (s.steps - s.Rat[k])
+            if T[0] * g < 1e-3:  # long gone
+                s.RA[k], s.RT[k] = [], []
+                continue
+            rates, var = [], []
+            for x, t, a in zip(s.RA[k], T, s.a, strict=False):
+                x, t = g * x, g * t
+                n = t + REGIME_SHRINK
+                r = ((x if x < t else t) + REGIME_SHRINK * a) / n
+                rates.append(r)
+                var.append(phi * r * (1.0 - r) * t / (n * n))
+            surv, y_k, y_pool, sp = 1.0, 1.0, 1.0, 1.0
+            for r, a in zip(rates, s.a, strict=False):
+                surv *= r
+                sp *= a
+                y_k += surv
+                y_pool += sp
+            # dY/da_i = s_{i-1} * h_i,  h_K = 1,  h_i = 1 + a_{i+1} h_{i+1}
+            h, v2, surv_before = 1.0, 0.0, [1.0]
+            for r in rates[:-1]:
+                surv_before.append(surv_before[-1] * r)
+            for i in range(len(rates) - 1, -1, -1):
+                d = surv_before[i] * h
+                v2 += d * d * var[i]
+                h = 1.0 + rates[i] * h
+            c = y_k / y_pool
+            corr[k] = (lo_c if c < lo_c else hi_c if c > hi_c else c, math.sqrt(v2) / y_k, T[0] * g)
+        s.corr = corr
 
     def _changed(self) -> bool:
         """Change test; also learns the overdispersion ``phi`` = E[D^2] of a stationary stream
@@ -425,9 +572,20 @@ class Planner:
         # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
         depth = -(-cur.verify_budget // b)
         sums = [_survival_sums(r) for r in (s.a[:depth] + s.lo[depth:], s.a, s.hi)]
-        cur_fac = self._fac[b][cur]
+        corr = s.corr  # each K's correction from its own counts (``_regimes``)
+        c_cur, u_cur, n_cur = corr[cur.k]
+        cur_fac = self._fac[b][cur] * c_cur
         tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]
         need = tok_cur[1] * (1.0 + self.online.margin) / cur_ms  # point-estimate goodput to beat
+        trial: Plan | None = None  # the best unresolved close call of another K
+        trial_g = tok_cur[1] / cur_ms * (1.0 - TRIAL_GAP)
+        z = self.online.z
+        tried, s.tried[b] = s.tried[b], 0
+        tried_p: Plan | None = None  # the best shape of the K a trial just measured
+        tried_g = tok_cur[1] / cur_ms
+        # a trial must be able to measure its K: at a small batch its block holds a few drafts,
+        # and probes (one step at a time) explore there as before
+        trials = b * (TRIAL_STEPS - REGIME_SETTLE) >= TRIAL_DRAFTS and self.online.probe_every > 0
         best, best_lb = cur, 1.0 + self.online.margin
         if self.evidence < self.online.min_evidence:
             best_lb = math.inf  # too little evidence to move; probes still run
@@ -442,18 +600,47 @@ class Planner:
             q, r = divmod(p.verify_budget, b)
             if q >= top:
                 q, r = top, 0
-            c = fac[p]
+            k = p.k
+            c, u, n_k = corr[k]
+            c *= fac[p]
             t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
-            if t_hi > probe_g * ms and p.k <= probe_k:
-                probe, probe_g, probe_ms = p, t_hi / ms, ms  # optimistic: best under the upper bounds
-            if p is cur or (b + b * S_mid[q] + r * s_mid[q + 1]) * c <= need * ms:
+            if t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k or not trials):
+                # optimistic: best under the upper bounds (a K measured in a block of its own is
+                # not probed: one step of it inside another K's run measures neither; trials do)
+                probe, probe_g, probe_ms = p, t_hi / ms, ms
+            if p is cur:
+                continue
+            t_mid = (b + b * S_mid[q] + r * s_mid[q + 1]) * c
+            if k != cur.k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
+                    1.0 + z * math.sqrt(u * u + u_cur * u_cur)) > need * ms):
+                trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
+            if k == tried and t_mid > tried_g * ms:
+                tried_p, tried_g = p, t_mid / ms
+            if t_mid <= need * ms:
                 continue  # the point estimate's gain is below the margin, so is its lower bound
             t_lo = (b + b * S_lo[q] + r * s_lo[q + 1]) * c
             lb = min(t_lo / tok_cur[0], t_hi / tok_cur[2]) * cur_ms / ms
             if lb > best_lb:
                 best, best_lb, best_ms = p, lb, ms
+        if best == cur and tried_p is not None and trials:
+            # a trial block just measured its K at least as good as the choice (point estimate): the
+            # pooled bounds guard positions no shape has tested, but this K's tokens were measured
+            # in a block of their own, and the choice is a prediction (a wrong move is a close call,
+            # and the old choice is tried in turn)
+            best = tried_p
         if best != cur:
             s.choice[b] = best
+            s.trial[b] = None
+        elif trial is not None and trials and s.trial[b] is None and n_cur >= REGIME_SHRINK and best_lb != math.inf:
+            # a close call of another K without counts of its own (or one whose gain they do not
+            # resolve): the pooled rates may not hold at its K, so run it for a block and let its
+            # own counts correct its prediction; as often as what it loses (point estimate)
+            # allows, so trials cost at most TRIAL_COST * margin
+            loss = 1.0 - trial_g * cur_ms / tok_cur[1]
+            wait = TRIAL_STEPS * loss / (TRIAL_COST * max(self.online.margin, 1e-3)) if loss > 0.0 else 0.0
+            if s.steps - s.trial_at[b] >= wait:
+                s.trial[b], s.trial_left[b], s.trial_at[b] = trial, TRIAL_STEPS, s.steps
+                s.trials += 1
         s.probe[b] = probe = probe if probe != best else None
         s.every[b] = every = self.online.probe_every
         if probe is not None and every and best_lb != math.inf:  # the cadence needs min_evidence too
@@ -533,12 +720,19 @@ class Planner:
             every=[self.online.probe_every] * (self.max_batch + 1),
             decided_at=[-self.online.decide_every] * (self.max_batch + 1),
             A=[], T=[], Af=[], Tf=[], pa=[], pt=[], a=[], lo=[], hi=[])
+        self._clear_trials()
         self._reset_estimate()
         return self._s
+
+    def _clear_trials(self) -> None:
+        s, n = self._s, self.max_batch + 1
+        s.trial, s.trial_left, s.trial_at, s.tried = [None] * n, [0] * n, [-math.inf] * n, [0] * n
 
     def _reset_estimate(self) -> None:
         s, n = self._s, self.k_hi
         s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
+        s.RA, s.RT, s.Rat = [[] for _ in range(n + 1)], [[] for _ in range(n + 1)], [0] * (n + 1)
+        s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
         s.rise = s.fall = 0.0
         s.folded = s.steps
         self._estimate()

@@ -371,3 +371,67 @@ def test_stationary_sampled_counters_raise_no_change(b, rate):
         plan = p.plan(b)
         p.observe(*noisy_counters(plan, b, rate, rng))
     assert p.changes == 0
+
+
+def k_dependent_counters(plan: Plan, b: int, rates: dict[int, list[float]]) -> tuple[list[float], list[float]]:
+    """Expected counters of a step whose conditional rates depend on the K run (``rates[K]``): an
+    n-gram match is a span, and a larger K crosses it in fewer steps, so fewer steps start inside
+    one (position 1 is accepted less often at K 2 than at K 1)."""
+    a = rates[min(plan.k, max(rates))]
+    q, r = divmod(plan.verify_budget, b)
+    acc, tested, surv = [], [], 1.0
+    for i in range(plan.k):
+        t = (b if i < q else (r if i == q else 0)) * surv
+        tested.append(t)
+        acc.append(t * a[min(i, len(a) - 1)])
+        surv *= a[min(i, len(a) - 1)]
+    return acc, tested
+
+
+SPAN_RATES = {1: [0.37], 2: [0.29, 0.6], 3: [0.27, 0.58, 0.55], 4: [0.26, 0.57, 0.54, 0.5]}
+
+
+def serve_k_dependent(p: Planner, b: int, rates: dict[int, list[float]], n: int) -> tuple[list[int], float]:
+    """``n`` steps at batch ``b``: the K of each step and the goodput (tokens per ms)."""
+    ks, tokens, ms = [], 0.0, 0.0
+    step = {pl: t for pl, t in p._cands[b]}
+    for _ in range(n):
+        plan = p.plan(b)
+        ks.append(plan.k)
+        acc, tested = k_dependent_counters(plan, b, rates)
+        tokens += b + sum(acc)
+        ms += step[plan]
+        p.observe(acc, tested)
+    return ks, tokens / ms
+
+
+def span_planner() -> Planner:
+    return Planner(make_table(rows=[Row((1, 16), 2, 32)], tiers=TIERS_WIDE, prior=[0.4] * 6))
+
+
+def test_acceptance_that_depends_on_k_is_measured_per_k():
+    """At K 2 the pooled rates (a1 0.29, a2 0.6) predict K 2 3.4 % above K 1 at batch 12, but K 1 runs
+    at a1 0.37 and is 2.6 % faster: a trial block of K 1 measures its own rates and the controller
+    runs K 1."""
+    p = span_planner()
+    sums = {k: _survival_sums(a)[1][k] for k, a in SPAN_RATES.items()}
+    ms = {pl.k: t for pl, t in p._cands[12] if pl.verify_budget == 12 * pl.k}
+    assert (1 + sums[1]) / ms[1] > 1.01 * (1 + sums[2]) / ms[2]  # K 1 is truly faster
+    pooled = _survival_sums(SPAN_RATES[2])[1]
+    assert (1 + pooled[1]) / ms[1] < 0.97 * (1 + pooled[2]) / ms[2]  # ... but not by K 2's rates
+    ks, goodput = serve_k_dependent(p, 12, SPAN_RATES, 600)
+    assert ks[:3] == [2, 2, 2] and ks[100:].count(1) > 0.7 * 500
+    fixed = {k: (12 + 12 * sums[k]) / ms[k] for k in (1, 2)}
+    assert goodput > 0.98 * fixed[1] > fixed[2]  # K 2 is 0.975 of K 1
+
+
+def test_acceptance_independent_of_k_keeps_the_model_choice():
+    """The same rates at every K: the trial of the close call (K 1) confirms the model; K 2 stays the
+    choice and trials cost at most a fraction of the margin."""
+    p = span_planner()
+    same = {k: SPAN_RATES[2] + [0.6] * 4 for k in range(1, 7)}
+    ks, goodput = serve_k_dependent(p, 12, same, 600)
+    ms = {pl.k: t for pl, t in p._cands[12] if pl.verify_budget == 12 * pl.k}
+    best = max((12 + 12 * _survival_sums(same[k])[1][k]) / ms[k] for k in ms)
+    assert ks[100:].count(2) > 0.8 * 500 and p.choices() == {}
+    assert goodput > 0.995 * best
