@@ -219,6 +219,10 @@ def stem_for(slug: str, target: str, drafter: str, dtype: str) -> str:
 # running a stage's command
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cmd(cmd: list[str], log: Path, deadline: float) -> dict[str, Any]:
     """Run ``cmd`` (stdout + stderr to ``log``) until it ends or the deadline; then SIGINT, a grace
     period, and a kill. Returns the command, exit code, wall seconds and whether it was stopped."""
@@ -231,7 +235,11 @@ def run_cmd(cmd: list[str], log: Path, deadline: float) -> dict[str, Any]:
     started = time.monotonic()
     stopped = False
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        # SIGINT at its default in the stage: a parent started in the background of a shell
+        # without job control ignores it, and a child inherits that, so the deadline's SIGINT
+        # would reach no handler and the stage would be killed without writing what it had
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                preexec_fn=_default_sigint)
         try:
             rc = proc.wait(timeout=left)
         except subprocess.TimeoutExpired:
