@@ -5,7 +5,7 @@ cost model's form (the GEMM tile, the parallel drafter's knee) can be applied to
 without measuring again; the held-out error is recomputed on the same held-out points. Writes the
 new profile (atomically) and prints the old and new fit::
 
-    python benchmarks/refit_profile.py spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fp8.yaml \\
+    python benchmarks/refit_profile.py benchmarks/results/profile_fp8_h200/nvidia-h200_qwen3-8b_eagle-1l.fp8.yaml \\
         --out /tmp/refit.fp8.yaml
 
 A policy table tuned on the old profile is not changed: tune again on the new one.

@@ -300,7 +300,7 @@ def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, cap
     from spectune.runtime.table import read_table
 
     mod = load("refit_profile")
-    src = Path("spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fp8.yaml")
+    src = Path("benchmarks/results/profile_fp8_h200/nvidia-h200_qwen3-8b_eagle-1l.fp8.yaml")  # its first fit
     out = tmp_path / "refit.yaml"
     assert mod.main([str(src), "--out", str(out)]) == 0
     old, new = read_table(src), read_table(out)
