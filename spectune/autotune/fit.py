@@ -14,7 +14,7 @@ K*b and K*b*c are the same column, so the whole per-token cost goes to ``token_m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -70,6 +70,25 @@ def _knee_candidates(tokens: np.ndarray) -> np.ndarray:
     return np.unique(np.concatenate([np.unique(tokens), grid]))
 
 
+def _best_knee(x: np.ndarray, col: int, tokens: np.ndarray, rounded: np.ndarray, ms: np.ndarray, *,
+               skip_constant: bool = False,
+               keep: Callable[[float, np.ndarray], bool] | None = None) -> tuple[float, float, np.ndarray] | None:
+    """The 1-D knee search of a roofline fit: column ``col`` of ``x`` (written in place) takes
+    max(0, rounded - knee) for each knee of ``_knee_candidates(tokens)``; returns (relative SSE,
+    knee, coefficients) of the smallest SSE among the knees ``keep`` accepts, or None. With
+    ``skip_constant``, a knee whose column is the same nonzero value for every point is skipped."""
+    best: tuple[float, float, np.ndarray] | None = None
+    for knee in _knee_candidates(tokens):
+        column = np.maximum(0.0, rounded - knee)
+        if skip_constant and np.ptp(column) == 0.0 and column[0] > 0.0:
+            continue
+        x[:, col] = column
+        coef, sse = _nnls_rel(x, ms)
+        if (best is None or sse < best[0] - 1e-12) and (keep is None or keep(sse, coef)):
+            best = (sse, float(knee), coef)
+    return best
+
+
 def _outliers(rel_resid: np.ndarray) -> np.ndarray:
     """Mask of points to drop once: far off the fit (> max(5%, 4x median)), at most 10% of them."""
     r = np.abs(rel_resid)
@@ -79,7 +98,7 @@ def _outliers(rel_resid: np.ndarray) -> np.ndarray:
     return bad
 
 
-# candidate GEMM row tiles past the knee; the fit keeps one only where held-back points prefer it
+# candidate GEMM row tiles past the knee; the fit keeps one only where cross-validation folds prefer it
 TILES = (1, 16, 32, 64, 128)
 CV_FOLDS = 10
 
@@ -114,15 +133,9 @@ def fit_target(tokens: Values, batch: Values, ms: Values, context: float,
     nt = np.ceil(n / tile) * tile
     kv = b * context / 1e6
     verify = (n > b).astype(float)
-    best: tuple[float, float, np.ndarray] | None = None
-    for knee in _knee_candidates(n):
-        col = np.maximum(0.0, nt - knee)
-        if tile > 1 and np.ptp(col) == 0.0 and col[0] > 0.0:
-            continue  # the same for every point: it would only stand in for weight_ms
-        x = np.stack([np.ones_like(n), n, col, kv, kv * verify], axis=1)
-        coef, sse = _nnls_rel(x, y)
-        if best is None or sse < best[0] - 1e-12:
-            best = (sse, float(knee), coef)
+    x = np.stack([np.ones_like(n), n, np.zeros_like(n), kv, kv * verify], axis=1)
+    # a tiled column that is the same for every point would only stand in for weight_ms
+    best = _best_knee(x, 2, n, nt, y, skip_constant=tile > 1)
     if best is None:  # every knee was skipped: no tiling
         return fit_target(n, b, y, context, trim=False, tiles=(1,))
     _, knee, c = best
@@ -183,13 +196,8 @@ def fit_drafter(
     n = b * kk
     x = np.stack([np.ones_like(b), n, np.zeros_like(n), b * context / 1e6], axis=1)
     c, linear = _nnls_rel(x, y)
-    best: tuple[float, float, np.ndarray] = (linear, 0.0, c)
-    for knee in _knee_candidates(n):
-        x[:, 2] = np.maximum(0.0, n - knee)
-        c, sse = _nnls_rel(x, y)
-        if sse < best[0] - 1e-12 and sse < 0.5 * linear and c[2] > 0.0:
-            best = (sse, float(knee), c)
-    _, knee, c = best
+    kneed = _best_knee(x, 2, n, n, y, keep=lambda sse, coef: sse < 0.5 * linear and coef[2] > 0.0)
+    _, knee, c = kneed if kneed is not None else (linear, 0.0, c)
     return DrafterCost(fixed_ms=float(c[0]), step_ms=0.0, token_ms=float(c[1]), kv_ms_per_mtok=float(c[3]),
                        compute_ms=float(c[2]), knee_tokens=knee)
 
