@@ -185,3 +185,21 @@ def test_captured_mixed_prefill_on_cuda_matches_separate_prefill():
     assert spec.outputs == base.outputs and spec.mean_accept_len > 1.0
     again = mixed.run(requests, FixedPolicy(3, tiers), concurrency=4)
     assert again.outputs == base.outputs and again.captures == 0  # every graph captured once
+
+
+def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_path):
+    import json
+
+    from spectune.cli import main
+
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "results.json"
+    argv = ["bench", "--policy", str(policy), "--out", str(out), "--concurrency", "2", "--arms", "plain,fixed:2",
+            "--repeats", "1", "--prompts", "3", "--max-new-tokens", "6", "--prompt-len", "9", "--device", "cpu",
+            "--no-progress", "--mixed-prefill", "--prefill-budget", "8"]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["header"]["mixed_prefill"] is True and data["header"]["prefill_budget"] == 8
+    for row in data["rows"]:
+        assert row["completed"] == 3 and row["mismatches"] == 0
+        assert row["prefill_forwards"] == 0 and row["mixed_prefill_tokens"] == 3 * 9
