@@ -114,7 +114,8 @@ def test_a_binding_budget_splits_prompts_over_steps(rig, plain):
     assert all(sum(p.length for p in s) <= 5 for s in riding)
     assert any(sum(p.length for p in s) == 5 for s in riding)  # the budget bound
     assert len(riding) >= -(-sum(PROMPT_LENS) // 5)
-    # the 19-token prompt (request 1) went over several steps, each piece where the last ended
+    # the 19-token prompt (request 1, the only one past 15 tokens) went over four steps: 5+5+5+4
+    assert max(p.start for s in riding for p in s) == 15
     assert res.prefill_steps >= 1  # the first admission has no live row yet
     wide = mixed_engine(rig, 16)
     spy_wide = StepPieces(wide)
