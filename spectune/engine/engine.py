@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from spectune.engine.mixed import Filling, MixedPrefill
+from spectune.engine.mixed import Filling, MixedPrefill, ride_shapes
 from spectune.engine.prefill import Piece, PrefillGraphs, schedule
 from spectune.engine.replay_drafter import DraftGraphs, DraftInput, Proposer
 from spectune.engine.run_log import (
@@ -205,14 +205,10 @@ class Engine:
         drafting max(ks) each needs (later ones are captured when first used)."""
         for k in sorted(set(ks)):
             self.drafts.prepare(k, min(concurrency, self.max_batch))
-        if self.mixed is None or not self.pool.capture:
-            return
-        c = min(concurrency, self.max_batch)
-        top = next((t for t in self.tiers if t >= c * (1 + max(ks, default=0))), self.tiers[-1])
-        for tier in (t for t in self.tiers if t <= top):
-            for verify in sorted({k > 0 for k in ks} | ({False} if tier == self.tiers[0] else set())):
-                for ride in self.mixed.buckets:
-                    self.pool.prepare_ride(tier, verify, ride)
+        if self.mixed is not None and self.pool.capture:
+            for tier, verify, ride in ride_shapes(self.tiers, ks, min(concurrency, self.max_batch),
+                                                  self.mixed.buckets):
+                self.pool.prepare_ride(tier, verify, ride)
 
     def warm_prefill(self, prompt_lens: Sequence[int], max_group: int) -> None:
         """Capture (CUDA) or run once (elsewhere) the prefill forwards that admitting 1..max_group

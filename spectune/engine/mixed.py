@@ -95,6 +95,18 @@ class MixedPrefill:
                                  row0 + p.index if p.last else None) for p in pieces])
 
 
+def ride_shapes(tiers: Sequence[int], ks: Sequence[int], concurrency: int,
+                buckets: Sequence[int]) -> list[tuple[int, bool, int]]:
+    """(tier, verify, P) of the riding steps a run at ``concurrency`` with these K values is
+    likely to use: every tier up to the one a full batch drafting max(ks) each needs, and the
+    smallest tier's decode step (no live row)."""
+    top = next((t for t in tiers if t >= concurrency * (1 + max(ks, default=0))), tiers[-1])
+    verify = sorted({k > 0 for k in ks})
+    shapes = {(t, v, p) for t in tiers if t <= top for v in verify for p in buckets}
+    shapes.update((tiers[0], False, p) for p in buckets)
+    return sorted(shapes, reverse=True)  # largest first
+
+
 @dataclass
 class Filling:
     """Admitted requests whose prompts are still being cached, in admission order."""

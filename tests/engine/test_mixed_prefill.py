@@ -7,7 +7,7 @@ import torch
 
 from spectune.engine.bench import FixedPolicy, arm_policy
 from spectune.engine.engine import Engine, EngineError, Request
-from spectune.engine.mixed import Filling
+from spectune.engine.mixed import Filling, ride_shapes
 from spectune.engine.prefill import Piece
 from spectune.runtime.planner import load
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepError
@@ -135,6 +135,25 @@ def test_requests_admitted_one_at_a_time_and_done_at_their_first_token(rig):
     assert all(t is not None for t in res.ttft_ms)
 
 
+def test_triton_kernels_with_mixed_prefill_give_the_reference_outputs(plain):
+    # the GPU path on CPU (Triton's interpreter): paged Triton attention over the merged metadata
+    # (decode slots of query length 1..K+1 and prompt pieces of up to a chunk in one launch) and
+    # the Triton pack / allocate / accept kernels, against the torch references' separate prefill
+    from spectune.models.paged import PagedTritonAttention
+
+    kernel_rig = make_rig()
+    a, e = kernel_rig.target.args, kernel_rig.engine
+    kernel_rig.target.backend = PagedTritonAttention(a.n_layers, e.num_blocks, BLOCK, a.n_kv_heads, a.head_dim,
+                                                 torch.float32, "cpu")
+    engine = Engine(kernel_rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
+                    num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=kernel_rig.proposer, kernels=True,
+                    prefill_chunk=CHUNK, mixed_prefill=True, prefill_budget=16)
+    load_replay(kernel_rig, plain.outputs)
+    for k, concurrency in ((0, 3), (3, 4)):
+        res = engine.run(kernel_rig.requests, FixedPolicy(k, engine.tiers), concurrency=concurrency)
+        check_run(res, plain, kernel_rig)
+
+
 def test_filling_keeps_admission_order():
     f = Filling()
     for rid, mark in ((7, 0), (3, 1), (5, 1)):
@@ -144,6 +163,16 @@ def test_filling_keeps_admission_order():
     assert f.rids == [7, 5] and f.done == [4, 6] and f.marks == [0, 1]
     ended, stay = f.advance([Piece(0, 4, 1, True), Piece(1, 6, 1, True)])
     assert ended == [(0, 7, 0), (1, 5, 1)] and stay == [] and len(f) == 0
+
+
+def test_ride_shapes_cover_a_full_batch_at_the_largest_k():
+    shapes = ride_shapes([1, 4, 8, 16, 32], [0, 3], 4, [16, 32])
+    assert {t for t, _, _ in shapes} == {1, 4, 8, 16}  # 4 rows x (1 + 3) tokens: tier 16
+    assert len(shapes) == 4 * 2 * 2 and shapes[0] == (16, True, 32)
+    plain = ride_shapes([1, 4, 8], [0], 3, [16])
+    assert plain == [(4, False, 16), (1, False, 16)]
+    # a verify-only arm still needs the smallest tier's decode step (a step with no live row)
+    assert (1, False, 16) in ride_shapes([1, 4], [2], 1, [16]) and (1, True, 16) in ride_shapes([1, 4], [2], 1, [16])
 
 
 def test_bad_budget_and_ride_name_the_field(rig):
