@@ -492,6 +492,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decisive-logits", choices=["auto", "on", "off"], default="auto",
                    help="bias random-weight logits so greedy decisions survive 16-bit rounding "
                         "(auto: on for bfloat16/float16; see docs/BENCH_METHOD.md)")
+    p.add_argument("--mixed-prefill", action="store_true",
+                   help="admitted prompts ride in the decode/verify steps' target forward (chunked prefill "
+                        "inside the step) instead of separate prefill forwards")
+    p.add_argument("--prefill-budget", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
+                   help="prompt tokens one step carries with --mixed-prefill (default 256)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="results JSON path")
     p.set_defaults(func=cmd_bench)
@@ -504,11 +509,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
-    from spectune.engine.bench import BenchConfig, run_bench
+    from spectune.engine.bench import DEFAULT_PREFILL_BUDGET, BenchConfig, run_bench
 
     if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
         raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
                          "cache is allocated up front)")
+    if args.prefill_budget is not None and not args.mixed_prefill:
+        raise UsageError("--prefill-budget: only used with --mixed-prefill")
     if args.acceptance is not None:  # a bad source fails now, before any model is built
         from spectune.autotune.acceptance import resolve_acceptance
         from spectune.runtime.table import read_table
@@ -520,7 +527,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed,
         time_limit_s=args.time_limit, progress=not args.no_progress,
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
-        drift=args.drift, repeats=args.repeats, fused=args.fused,
+        drift=args.drift, repeats=args.repeats, fused=args.fused, mixed_prefill=args.mixed_prefill,
+        prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET,
     )
 
     def num(v, fmt):

@@ -78,6 +78,7 @@ from spectune.runtime.planner import Planner, load
 from spectune.runtime.table import DTYPES
 
 DEFAULT_REPEATS = 3  # interleaved timed runs per (concurrency, arm)
+DEFAULT_PREFILL_BUDGET = 256  # prompt tokens a step carries with --mixed-prefill
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,8 @@ class BenchConfig:
     repeats: int = DEFAULT_REPEATS
     predict_at_measured_accept: bool = True  # the rescaled prediction (a bisection of simulations)
     fused: bool = False  # target and drafter layers with the fused kernels (kernels/fused.py)
+    mixed_prefill: bool = False  # admitted prompts ride in the steps' forwards (engine/mixed.py)
+    prefill_budget: int = DEFAULT_PREFILL_BUDGET  # prompt tokens per step with mixed_prefill
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +309,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     target = DecisiveLogits(models.target) if decisive_for(config, dtype) else models.target
     engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, [*fixed, 0]),
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
-                    device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False)
+                    device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
+                    mixed_prefill=config.mixed_prefill, prefill_budget=config.prefill_budget)
     engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
     rng = np.random.default_rng(config.seed)
     prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
@@ -518,6 +522,8 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
         "tf32": tf32, "near_tie_tolerance": str(tolerance),
         "decisive_logits": decisive_for(config, setup.dtype), "fused": config.fused,
+        "mixed_prefill": config.mixed_prefill,
+        "prefill_budget": config.prefill_budget if config.mixed_prefill else None,
     }
 
 

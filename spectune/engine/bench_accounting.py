@@ -283,4 +283,6 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: Run
         "drafter_calls": res.drafter_calls,
         "graph_captures_in_run": res.captures,
         "timed_out": res.timed_out,
+        "prefill_forwards": res.prefill_forwards,
+        "mixed_prefill_tokens": res.mixed_prefill_tokens,
     }

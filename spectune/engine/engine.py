@@ -6,7 +6,10 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             their KV blocks go back to the free list
   admit     waiting requests take rows up to the concurrency: chunked prefill over the paged KV
             cache (one captured graph per token bucket, ``prefill.py``); the argmax at the last
-            prompt token is the first output token
+            prompt token is the first output token. With ``mixed_prefill`` there is no separate
+            forward: the prompts' pieces ride in the steps' forwards (``mixed.py``, <=
+            ``prefill_budget`` tokens a step) and a row joins the batch after the step that
+            ended its prompt
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
   plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
             ``rates`` (if any) go to a proposer with ``set_rates``
@@ -55,7 +58,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from spectune.engine.prefill import PrefillGraphs, schedule
+from spectune.engine.mixed import Filling, MixedPrefill, ride_shapes
+from spectune.engine.prefill import Piece, PrefillGraphs, schedule
 from spectune.engine.replay_drafter import DraftGraphs, DraftInput, Proposer
 from spectune.engine.run_log import (
     MarginTap,
@@ -151,11 +155,12 @@ class Engine:
                  max_len: int, num_blocks: int, device: torch.device | str, block_size: int = 16,
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
                  capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = 512,
-                 prefill_tokens: int = 4096):
+                 prefill_tokens: int = 4096, mixed_prefill: bool = False, prefill_budget: int = 256):
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // block_size)
         for name, value, lo in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("prefill_tokens", prefill_tokens, 1),
+                                ("prefill_budget", prefill_budget, 1),
                                 ("num_blocks", num_blocks, 1 + self.max_blocks)):
             if value < lo:
                 raise EngineError(name, f"must be >= {lo}, got {value}")
@@ -164,11 +169,15 @@ class Engine:
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         # the decode graphs also write each token's top-1 minus top-2 logit (engine_run.MarginTap)
         self.tap = MarginTap(target, max(int(t) for t in tiers), self.device)
+        self.state = EngineState.make(max_batch, self.max_blocks, self.device)
+        # mixed prefill: prompt pieces ride in the steps' forwards (mixed.py)
+        self.mixed = (MixedPrefill(self.tap, self.state.block_tables, max_rows=max_batch, chunk=prefill_chunk,
+                                   budget=prefill_budget, block_size=block_size, device=self.device)
+                      if mixed_prefill else None)
         self.pool = GraphPool(self.tap, tiers, max_batch=max_batch, max_k=max_k, device=self.device,
                               block_size=block_size, max_blocks=self.max_blocks, capture=capture,
-                              kernels=kernels)
+                              kernels=kernels, rider=self.mixed)
         self.verifier = AdaptiveVerifier(self.pool, prior=prior)
-        self.state = EngineState.make(max_batch, self.max_blocks, self.device)
         self.drafts = DraftGraphs(proposer, self.state.draft_input, max_batch, self.pool.capture)
         self.prefill = PrefillGraphs(target, self.state.block_tables, max_rows=max_batch,
                                      chunk=prefill_chunk, max_tokens=prefill_tokens, device=self.device,
@@ -185,19 +194,29 @@ class Engine:
         self.free_blocks = deque(b for b in range(self.num_blocks) if b != TRASH_BLOCK)
         self.blocks: dict[int, list[int]] = {}  # request -> its KV blocks
         self.pending: deque[StepCopy] = deque()
+        self.filling = Filling()  # mixed prefill: admitted, prompt not yet cached (rows after self.rows)
 
     def blocks_for(self, request: Request) -> int:
         return -(-(len(request.prompt) + request.max_new_tokens + self.max_k + KV_SLACK) // self.block_size)
 
     def prepare(self, ks: Sequence[int], concurrency: int) -> None:
-        """Capture the drafter graphs a run at ``concurrency`` with these K values will replay."""
+        """Capture the drafter graphs a run at ``concurrency`` with these K values will replay and,
+        with mixed prefill on CUDA, the riding step graphs of every tier up to the one a full batch
+        drafting max(ks) each needs (later ones are captured when first used)."""
         for k in sorted(set(ks)):
             self.drafts.prepare(k, min(concurrency, self.max_batch))
+        if self.mixed is not None and self.pool.capture:
+            for tier, verify, ride in ride_shapes(self.tiers, ks, min(concurrency, self.max_batch),
+                                                  self.mixed.buckets):
+                self.pool.prepare_ride(tier, verify, ride)
 
     def warm_prefill(self, prompt_lens: Sequence[int], max_group: int) -> None:
         """Capture (CUDA) or run once (elsewhere) the prefill forwards that admitting 1..max_group
         prompts of these lengths at once will use: graphs and kernels specialised on the
-        forward's shapes are built here, not inside a timed run."""
+        forward's shapes are built here, not inside a timed run. Nothing with mixed prefill (no
+        separate forward runs; ``prepare`` captures its step graphs)."""
+        if self.mixed is not None:
+            return
         groups: dict[int, tuple[int, int]] = {}  # bucket -> one (prompts, length) admission that uses it
         for g in range(1, min(max_group, self.max_batch) + 1):
             for n in set(prompt_lens):
@@ -246,9 +265,10 @@ class Engine:
         k_hist: dict[int, int] = {}
         tier_hist: dict[int, int] = {}
         calls0, captures0, observed, it, timed_out = self.drafts.calls, self._captures(), 0, 0, False
+        forwards0 = self.prefill.forwards
         iter_marks: list[int] = []
         t0 = time.perf_counter()
-        while queue or self.rows:
+        while queue or self.rows or self.filling:
             self._collect(run, must_before=it - 1)
             self._retire(run)
             if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
@@ -258,7 +278,9 @@ class Engine:
             self._admit(run, queue, concurrency, it, marks, iter_marks[-1])
             self._retire(run)  # max_new_tokens == 1: done at its prefill
             n = len(self.rows)
-            if n == 0:  # every admitted request was done at its prefill
+            if n == 0:  # every admitted request was done at its prefill, or its prompt is being cached
+                if self.filling:
+                    self._prefill_step(run, it, marks)
                 it += 1
                 continue
             step_mark = marks.mark()  # decode time runs from here to the next iteration's mark
@@ -269,16 +291,20 @@ class Engine:
                     observed += 1
             plan = self._checked(policy.plan(n), n)
             self._share_rates(policy)
+            assert plan.tier is not None
+            pieces, ride = self._load_ride(run, plan.tier, plan.k > 0, n)
             drafts = conf = k_valid = None
             if plan.k > 0:
                 drafts, conf = self.drafts(n, plan.k)
                 k_valid = self._k_valid(n, plan.k)
             out = self.verifier.step(self.state.last_token, drafts, conf, n, plan,
                                      context_lens=self.state.context_lens,
-                                     block_tables=self.state.block_tables, k_valid=k_valid)
+                                     block_tables=self.state.block_tables, k_valid=k_valid, ride=ride)
             if plan.k > 0:
                 self._count_declined(out, n, plan.k)
             self._advance(run, out, n, it)
+            if pieces:
+                self._join(run, pieces, n, it, marks)
             run.decode_spans.append((step_mark, len(iter_marks)))
             if n == concurrency:
                 run.full_spans.append(run.decode_spans[-1])
@@ -293,7 +319,8 @@ class Engine:
         seconds = time.perf_counter() - t0
         self._collect(run, must_before=it + 1)
         return run.result(marks, iter_marks, k_hist, tier_hist, seconds, observed,
-                          self.drafts.calls - calls0, self._captures() - captures0, timed_out)
+                          self.drafts.calls - calls0, self._captures() - captures0, timed_out,
+                          self.prefill.forwards - forwards0)
 
     def _share_rates(self, policy: Policy) -> None:
         """The policy's live population rates (``Planner.rates``) to a proposer that ranks by them."""
@@ -302,7 +329,7 @@ class Engine:
             set_rates(rates)
 
     def _captures(self) -> int:
-        return self.drafts.captures + self.prefill.captures
+        return self.drafts.captures + self.prefill.captures + self.pool.ride_captures
 
     def _checked(self, plan: Plan, n: int) -> Plan:
         if plan.tier is None or plan.tier not in self.pool.tiers:
@@ -378,8 +405,10 @@ class Engine:
         for rid in self.rows:
             if run.surely_done(rid):
                 self.free_blocks.extend(self.blocks.pop(rid))
-        if keep and keep != list(range(len(keep))):
-            self.state.reorder(_to_device(keep, torch.int64, self.device))
+        n, f = len(self.rows), len(self.filling)
+        order = keep + list(range(n, n + f))  # rows still filling their prompts follow the live ones
+        if order and order != list(range(len(order))):
+            self.state.reorder(_to_device(order, torch.int64, self.device))
         self.rows = [self.rows[i] for i in keep]
 
     # -- admission and prefill --------------------------------------------------------------------
@@ -387,7 +416,7 @@ class Engine:
     def _admit(self, run: RunLog, queue: deque[int], concurrency: int, it: int, marks: Marks,
                admit_mark: int) -> None:
         new: list[int] = []
-        while queue and len(self.rows) + len(new) < concurrency:
+        while queue and len(self.rows) + len(self.filling) + len(new) < concurrency:
             need = self.blocks_for(run.requests[queue[0]])
             if need > len(self.free_blocks):
                 break
@@ -396,7 +425,8 @@ class Engine:
             new.append(rid)
         if not new:
             return
-        s, lo, hi = self.state, len(self.rows), len(self.rows) + len(new)
+        lo = len(self.rows) + len(self.filling)
+        s, hi = self.state, lo + len(new)
         reqs = [run.requests[rid] for rid in new]
         tables = [self.blocks[rid] + [TRASH_BLOCK] * (self.max_blocks - len(self.blocks[rid])) for rid in new]
         s.block_tables[lo:hi].copy_(_to_device(tables, torch.int32, self.device))
@@ -404,6 +434,10 @@ class Engine:
         s.max_new[lo:hi].copy_(_to_device([r.max_new_tokens for r in reqs], torch.int32, self.device))
         s.request[lo:hi].copy_(_to_device(new, torch.int64, self.device))
         s.produced[lo:hi].fill_(1)
+        if self.mixed is not None:  # the prompts ride in the next steps (``_load_ride``)
+            for rid in new:
+                self.filling.add(rid, admit_mark)
+            return
         first, margins = self._prefill(reqs, lo)  # [m] int64, [m, 2] float32
         s.last_token[lo:hi].copy_(first)
         first_mark = marks.mark()
@@ -417,6 +451,51 @@ class Engine:
         prefill_chunk tokens per request, <= prefill_tokens per forward, one graph per token
         bucket); returns the argmax after each prompt [m] int64 and its ``top2_margin`` [m, 2]."""
         return self.prefill.run([r.prompt for r in reqs], row0)
+
+    # -- mixed prefill: prompt pieces in the steps' forwards (mixed.py) ----------------------------
+
+    def _load_ride(self, run: RunLog, tier: int, verify: bool, n: int) -> tuple[list[Piece], int]:
+        """This step's prompt pieces into the rider (rows n.. are the filling requests'), after
+        its (tier, verify, P) graph is captured; returns the pieces and P (0: none ride)."""
+        if self.mixed is None or not self.filling:
+            return [], 0
+        prompts = [run.requests[rid].prompt for rid in self.filling.rids]
+        pieces, ride = self.mixed.plan(self.filling, prompts)
+        self.pool.prepare_ride(tier, verify, ride)  # before the loads: a capture's warm-up clears them
+        self.mixed.load(pieces, prompts, n, ride)
+        return pieces, ride
+
+    def _prefill_step(self, run: RunLog, it: int, marks: Marks) -> None:
+        """No live row: the prompt pieces alone, in the smallest tier's step with no request."""
+        tier = self.tiers[0]
+        pieces, ride = self._load_ride(run, tier, False, 0)
+        self.verifier.step(self.state.last_token, None, None, 0, Plan(0, 0, tier),
+                           context_lens=self.state.context_lens, block_tables=self.state.block_tables, ride=ride)
+        run.prefill_steps += 1
+        self._join(run, pieces, 0, it, marks)
+
+    def _join(self, run: RunLog, pieces: list[Piece], n: int, it: int, marks: Marks) -> None:
+        """After a step whose forward carried ``pieces``: each request whose prompt ended takes
+        its first token (the row's ``last_token``; a copy to the host, its TTFT mark) and its row
+        moves right after the ``n`` live ones, which it joins."""
+        assert self.mixed is not None
+        run.mixed_tokens += sum(p.length for p in pieces)
+        ended, stay = self.filling.advance(pieces)
+        if not ended:
+            return
+        s, region = self.state, self.mixed.region
+        rows = _to_device([n + j for j, _, _ in ended], torch.int64, self.device)
+        first, margins = region.first.index_select(0, rows), region.margins.index_select(0, rows)
+        s.last_token.index_copy_(0, rows, first)
+        first_mark = marks.mark()
+        for _, rid, admit_mark in ended:
+            run.ttft_marks[rid] = (admit_mark, first_mark)
+        rids = [rid for _, rid, _ in ended]
+        self._send(run, StepCopy(_to_host(first[:, None]), None, rids, it, None, _to_host(margins)))
+        order = list(range(n)) + [n + j for j, _, _ in ended] + [n + j for j in stay]
+        if order != list(range(len(order))):
+            s.reorder(_to_device(order, torch.int64, self.device))
+        self.rows += rids
 
     # -- results --------------------------------------------------------------------------------
 

@@ -41,20 +41,28 @@ class Piece:
     last: bool  # the piece ends the prompt
 
 
+def next_forward(prompt_lens: Sequence[int], done: Sequence[int], chunk: int, max_tokens: int) -> list[Piece]:
+    """The pieces of one forward: requests in order, each its next <= ``chunk`` tokens after the
+    ``done`` already cached, <= ``max_tokens`` in all."""
+    room, pieces = max_tokens, []
+    for i, (n, d) in enumerate(zip(prompt_lens, done, strict=True)):
+        if d >= n or room == 0:
+            continue
+        take = min(chunk, n - d, room)
+        pieces.append(Piece(i, d, take, d + take == n))
+        room -= take
+    return pieces
+
+
 def schedule(prompt_lens: Sequence[int], chunk: int, max_tokens: int) -> list[list[Piece]]:
     """Forwards of pieces: every forward holds <= ``max_tokens`` tokens and at most one piece per
     request; a request's pieces come in prompt order in successive forwards."""
     done = [0] * len(prompt_lens)
     forwards: list[list[Piece]] = []
     while any(d < n for d, n in zip(done, prompt_lens, strict=True)):
-        room, pieces = max_tokens, []
-        for i, n in enumerate(prompt_lens):
-            if done[i] >= n or room == 0:
-                continue
-            take = min(chunk, n - done[i], room)
-            pieces.append(Piece(i, done[i], take, done[i] + take == n))
-            done[i] += take
-            room -= take
+        pieces = next_forward(prompt_lens, done, chunk, max_tokens)
+        for p in pieces:
+            done[p.index] += p.length
         forwards.append(pieces)
     return forwards
 
@@ -71,33 +79,34 @@ def default_buckets(chunk: int, max_tokens: int) -> list[int]:
     return sorted(out)
 
 
-class PrefillGraphs:
-    """Static input buffers and one prefill forward per token bucket (captured on CUDA)."""
+class PrefillRegion:
+    """Static device buffers of one forward's prompt pieces, for ``buckets`` of token counts.
 
-    def __init__(self, target: TargetFn, block_tables: Tensor, *, max_rows: int, chunk: int,
-                 max_tokens: int, device: torch.device, capture: bool,
-                 buckets: Sequence[int] | None = None):
-        self.target, self.engine_tables, self.device = target, block_tables, device
-        self.chunk, self.max_tokens, self.capture = chunk, max_tokens, capture
+    Per slot (one piece): its query offsets ``cu``, cached length ``ctx``, engine row ``rows``
+    (its block table), the packed index of its last token and ``dest``: the index of ``first`` /
+    ``margins`` where a piece that ends its prompt writes its last token's argmax and
+    ``top2_margin`` (others write the trash index ``outputs``). Device work in ``meta`` and
+    ``take`` only: a graph body may call them."""
+
+    def __init__(self, block_tables: Tensor, *, max_rows: int, chunk: int, max_tokens: int,
+                 device: torch.device, buckets: Sequence[int] | None = None):
+        self.engine_tables, self.device, self.chunk = block_tables, device, chunk
         self.buckets = sorted(set(buckets or default_buckets(chunk, max_tokens)))
         self.max_slots = min(max_rows, max_tokens)  # request slots of one forward
-        self.trash = max_rows  # row index of ``first`` that pieces not ending a prompt write
+        self.trash = max_rows  # index of ``first`` that pieces not ending a prompt write
 
         def zeros(n: int, dtype: torch.dtype = torch.int64) -> Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
 
         top = self.buckets[-1]
-        self.ids, self.pos = zeros(top), zeros(top)
+        self.ids, self.pos = zeros(top), zeros(top)  # [top] int64
         self.cu = zeros(self.max_slots + 1, torch.int32)
         self.ctx = zeros(self.max_slots, torch.int32)
         self.rows = zeros(self.max_slots)  # engine row of each slot (its block table)
         self.last_rows = zeros(self.max_slots)  # packed index of each slot's last token
         self.dest = torch.full((self.max_slots,), self.trash, dtype=torch.int64, device=device)
-        self.first = zeros(max_rows + 1)  # [rows + trash] first output token of each admitted row
+        self.first = zeros(max_rows + 1)  # [max_rows + trash] int64
         self.margins = torch.zeros(max_rows + 1, 2, dtype=torch.float32, device=device)
-        self.graphs: dict[int, Any] = {}
-        self.captures = 0
-        self._pool: Any = None
 
     def slots(self, bucket: int) -> int:
         return min(self.max_slots, bucket)
@@ -108,17 +117,83 @@ class PrefillGraphs:
                 return b
         raise ValueError(f"{tokens} prefill tokens exceed the largest bucket {self.buckets[-1]}")
 
+    def meta(self, bucket: int) -> AttnMeta:
+        """The pieces' attention metadata (block tables gathered from the engine's; no slots)."""
+        r = self.slots(bucket)
+        return AttnMeta(cu_seqlens_q=self.cu[: r + 1], context_lens=self.ctx[:r], max_q=min(self.chunk, bucket),
+                        block_tables=self.engine_tables.index_select(0, self.rows[:r]))
+
+    def take(self, bucket: int, logits: Tensor, offset: Tensor | None = None) -> None:
+        """``logits`` [>= bucket, V] with the pieces at rows ``offset`` ([1] int64 device value,
+        default 0) on: the prompt-ending ones' outputs to ``dest``."""
+        r = self.slots(bucket)
+        rows = self.last_rows[:r] if offset is None else self.last_rows[:r] + offset
+        last = logits.index_select(0, rows)  # [r, V]
+        self.first.index_copy_(0, self.dest[:r], last.argmax(dim=-1))
+        self.margins.index_copy_(0, self.dest[:r], top2_margin(last))
+
+    def clear(self) -> None:
+        """No slot has tokens: a forward on these buffers writes nothing."""
+        self.cu.zero_()
+        self.ctx.zero_()
+        self.rows.zero_()
+        self.last_rows.zero_()
+        self.dest.fill_(self.trash)
+
+    def load(self, bucket: int, pieces: Sequence[tuple[Sequence[int], int, int, int | None]]) -> None:
+        """Host -> static buffers without waiting: per piece (tokens, start, engine row, dest or
+        None); padding tokens and unused slots after them."""
+        r, n = self.slots(bucket), sum(len(t) for t, _, _, _ in pieces)
+        ids: list[int] = []
+        pos: list[int] = []
+        cu, last_rows = [0], []
+        for tokens, start, _, _ in pieces:
+            ids.extend(tokens)
+            pos.extend(range(start, start + len(tokens)))
+            cu.append(cu[-1] + len(tokens))
+            last_rows.append(cu[-1] - 1)
+        pad_slots = r - len(pieces)
+        row0 = pieces[0][2] if pieces else 0
+        self._load(self.ids, ids + [0] * (bucket - n))
+        self._load(self.pos, pos + [0] * (bucket - n))
+        self._load(self.cu, cu + [n] * pad_slots)
+        self._load(self.ctx, [start for _, start, _, _ in pieces] + [0] * pad_slots)
+        self._load(self.rows, [row for _, _, row, _ in pieces] + [row0] * pad_slots)
+        self._load(self.last_rows, last_rows + [0] * pad_slots)
+        self._load(self.dest, [self.trash if d is None else d for _, _, _, d in pieces] + [self.trash] * pad_slots)
+
+    def _load(self, buf: Tensor, values: list[int]) -> None:
+        host = torch.tensor(values, dtype=buf.dtype)
+        if self.device.type == "cuda":  # pinned + non_blocking: the host does not wait
+            host = host.pin_memory()
+        buf[: len(values)].copy_(host, non_blocking=self.device.type == "cuda")
+
+
+class PrefillGraphs:
+    """A ``PrefillRegion`` and one prefill forward per token bucket (captured on CUDA)."""
+
+    def __init__(self, target: TargetFn, block_tables: Tensor, *, max_rows: int, chunk: int,
+                 max_tokens: int, device: torch.device, capture: bool,
+                 buckets: Sequence[int] | None = None):
+        self.target, self.device = target, device
+        self.chunk, self.max_tokens, self.capture = chunk, max_tokens, capture
+        self.region = PrefillRegion(block_tables, max_rows=max_rows, chunk=chunk, max_tokens=max_tokens,
+                                    device=device, buckets=buckets)
+        self.buckets = self.region.buckets
+        self.graphs: dict[int, Any] = {}
+        self.captures = 0
+        self.forwards = 0  # prefill forwards run (replays or eager)
+        self._pool: Any = None
+
+    def bucket(self, tokens: int) -> int:
+        return self.region.bucket(tokens)
+
     # -- the body of a graph ----------------------------------------------------------------------
 
     def _body(self, bucket: int) -> None:
-        r = self.slots(bucket)
-        meta = AttnMeta(cu_seqlens_q=self.cu[: r + 1], context_lens=self.ctx[:r],
-                        max_q=min(self.chunk, bucket),
-                        block_tables=self.engine_tables.index_select(0, self.rows[:r]))
-        logits = self.target(self.ids[:bucket], self.pos[:bucket], meta)  # [T, V]
-        last = logits.index_select(0, self.last_rows[:r])  # [r, V]
-        self.first.index_copy_(0, self.dest[:r], last.argmax(dim=-1))
-        self.margins.index_copy_(0, self.dest[:r], top2_margin(last))
+        r = self.region
+        logits = self.target(r.ids[:bucket], r.pos[:bucket], r.meta(bucket))  # [T, V]
+        r.take(bucket, logits)
 
     def prepare(self, buckets: Sequence[int] | None = None, warmup: int = 2) -> None:
         """Capture the graphs of ``buckets`` (all by default), largest first, in one memory pool.
@@ -128,7 +203,7 @@ class PrefillGraphs:
         todo = sorted({self.bucket(b) for b in (buckets or self.buckets)} - set(self.graphs), reverse=True)
         if not todo:
             return
-        self._clear()
+        self.region.clear()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -147,13 +222,6 @@ class PrefillGraphs:
             self.captures += 1
         torch.cuda.synchronize(self.device)
 
-    def _clear(self) -> None:
-        self.cu.zero_()
-        self.ctx.zero_()
-        self.rows.zero_()
-        self.last_rows.zero_()
-        self.dest.fill_(self.trash)
-
     # -- host side --------------------------------------------------------------------------------
 
     def run(self, prompts: Sequence[Sequence[int]], row0: int) -> tuple[Tensor, Tensor]:
@@ -161,36 +229,15 @@ class PrefillGraphs:
         returns views ``first`` [m] int64 and ``margins`` [m, 2] float32, valid until the next run."""
         m = len(prompts)
         for pieces in schedule([len(p) for p in prompts], self.chunk, self.max_tokens):
-            n = sum(p.length for p in pieces)
-            bucket = self.bucket(n)
+            bucket = self.bucket(sum(p.length for p in pieces))
             if self.capture and bucket not in self.graphs:
                 self.prepare([bucket])  # before the loads: warm-up clears the buffers
-            r = self.slots(bucket)
-            ids: list[int] = []
-            pos: list[int] = []
-            cu, last_rows = [0], []
-            for p in pieces:
-                ids.extend(prompts[p.index][p.start : p.start + p.length])
-                pos.extend(range(p.start, p.start + p.length))
-                cu.append(cu[-1] + p.length)
-                last_rows.append(cu[-1] - 1)
-            pad_slots = r - len(pieces)
-            self._load(self.ids, ids + [0] * (bucket - n))
-            self._load(self.pos, pos + [0] * (bucket - n))
-            self._load(self.cu, cu + [n] * pad_slots)
-            self._load(self.ctx, [p.start for p in pieces] + [0] * pad_slots)
-            self._load(self.rows, [row0 + p.index for p in pieces] + [row0] * pad_slots)
-            self._load(self.last_rows, last_rows + [0] * pad_slots)
-            self._load(self.dest, [p.index if p.last else self.trash for p in pieces] + [self.trash] * pad_slots)
+            self.region.load(bucket, [(prompts[p.index][p.start : p.start + p.length], p.start, row0 + p.index,
+                                       p.index if p.last else None) for p in pieces])
             graph = self.graphs.get(bucket)
             if graph is not None:
                 graph.replay()
             else:
                 self._body(bucket)
-        return self.first[:m], self.margins[:m]
-
-    def _load(self, buf: Tensor, values: list[int]) -> None:
-        host = torch.tensor(values, dtype=buf.dtype)
-        if self.device.type == "cuda":  # pinned + non_blocking: the host does not wait
-            host = host.pin_memory()
-        buf[: len(values)].copy_(host, non_blocking=self.device.type == "cuda")
+            self.forwards += 1
+        return self.region.first[:m], self.region.margins[:m]

@@ -56,8 +56,12 @@ class MarginTap:
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttnMeta) -> Tensor:
         logits = self.target(input_ids, positions, meta)  # [T, V]
         if meta.max_q == 1:
-            self.margins[: logits.shape[0]].copy_(top2_margin(logits))
+            self.record(logits)
         return logits
+
+    def record(self, logits: Tensor) -> None:
+        """``logits`` [T, V] of a one-token-per-request forward -> ``margins[:T]``."""
+        self.margins[: logits.shape[0]].copy_(top2_margin(logits))
 
 
 @dataclass
@@ -123,6 +127,9 @@ class RunResult:
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per step (batch, K, tier)
     full_ms: float = 0.0  # decode time of the steps that ran a full batch (rows == concurrency)
     full_tokens: int = 0  # tokens those steps emitted
+    prefill_forwards: int = 0  # separate prefill forwards (none with mixed prefill)
+    mixed_prefill_tokens: int = 0  # prompt tokens that rode in steps' forwards (mixed prefill)
+    prefill_steps: int = 0  # mixed-prefill steps with no live row (the prompt pieces alone)
 
     @property
     def mean_accept_len(self) -> float | None:
@@ -174,6 +181,8 @@ class RunLog:
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)
     idle_rows: int = 0
     waits: int = 0
+    mixed_tokens: int = 0  # prompt tokens that rode in steps' forwards
+    prefill_steps: int = 0  # steps with no live row, only prompt pieces
 
     def __post_init__(self) -> None:
         n = len(self.requests)
@@ -223,7 +232,8 @@ class RunLog:
         return start + len(new) <= min(len(ref), at if at is not None else len(ref))
 
     def result(self, marks: Marks, iter_marks: list[int], k_hist: dict[int, int], tier_hist: dict[int, int],
-               seconds: float, observed: int, drafter_calls: int, captures: int, timed_out: bool) -> RunResult:
+               seconds: float, observed: int, drafter_calls: int, captures: int, timed_out: bool,
+               prefill_forwards: int = 0) -> RunResult:
         spans = [marks.ms(iter_marks[i], iter_marks[i + 1]) for i in range(len(iter_marks) - 1)]
         itl_ms = [spans[i] / n for i, n in self.itl]
         ttft: list[float | None] = [None] * len(self.requests)
@@ -241,4 +251,6 @@ class RunLog:
             step_shapes=self.step_shapes,
             full_ms=sum(marks.ms(a, iter_marks[b]) for a, b in self.full_spans),
             full_tokens=sum(n for i, n in self.itl if i in self.full_iterations),
+            prefill_forwards=prefill_forwards, mixed_prefill_tokens=self.mixed_tokens,
+            prefill_steps=self.prefill_steps,
         )

@@ -7,6 +7,12 @@
 A tier graph serves every batch up to ``min(max_batch, tier)``: the batch size, the budget and
 the inputs are device values written before the replay, never read back by the host.
 
+A pool built with a ``rider`` (the engine's mixed prefill) also runs steps whose target forward
+carries ``ride`` more tokens after the tier's (a bucket of the rider's): the rider appends them to
+the forward's inputs and metadata, runs the forward and keeps their logits; the step's phases are
+unchanged. Those graphs are captured per (tier, verify, ride) when first asked for
+(``prepare_ride``), eager without CUDA. A riding step may have no live request (batch 0).
+
 ``AdaptiveVerifier.step`` only copies inputs into the static buffers, fills two device scalars,
 replays and starts a non-blocking copy of the acceptance counters into pinned memory;
 ``poll_stats`` hands the counters to the planner once that copy has finished (one step late),
@@ -58,6 +64,24 @@ class StepError(SpectuneError):
 def _require(cond: bool, name: str, reason: str) -> None:
     if not cond:
         raise StepError(name, reason)
+
+
+class Rider(Protocol):
+    """Tokens that ride in a step's target forward after the tier's packed tokens."""
+
+    @property
+    def buckets(self) -> Sequence[int]:
+        """Token counts a step may carry (one graph per (tier, verify, bucket))."""
+        ...
+
+    def clear(self) -> None:
+        """No riding token writes anything (a capture's warm-up runs on this)."""
+
+    def __call__(self, ride: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttnMeta) -> torch.Tensor:
+        """The forward of the tier's tokens (``input_ids`` [T], ``meta``) with ``ride`` tokens after
+        them; returns the logits of the tier's tokens [T, V]."""
+        ...
 
 
 class PlanLike(Protocol):
@@ -164,6 +188,7 @@ class GraphPool:
         kernels: bool | None = None,
         generator: torch.Generator | None = None,
         warmup: int = 2,
+        rider: Rider | None = None,
     ):
         self.device = torch.device(device)
         tiers = sorted({int(t) for t in tiers})
@@ -192,6 +217,11 @@ class GraphPool:
                                     vocab_size=vocab_size)
         self.packed = {t: PackedBatch.empty(self.rows(t), t, self.device) for t in tiers}
         self.graphs: dict[tuple[int, bool], Any] = {}
+        self.rider = rider
+        self.ride_graphs: dict[tuple[int, bool, int], Any] = {}  # (tier, verify, ride) -> graph
+        self.ride_captures = 0
+        self._mempool: Any = None
+        self.warmup = warmup
         if self.capture:
             self._capture_all(warmup)
 
@@ -218,10 +248,13 @@ class GraphPool:
             getattr(out, name).copy_(getattr(ref, name))
         return out
 
-    def _target_phase(self, tier: int, packed: PackedBatch, max_q: int) -> torch.Tensor:
+    def _target_phase(self, tier: int, packed: PackedBatch, max_q: int, ride: int = 0) -> torch.Tensor:
         b, n = self.buf, self.rows(tier)
         meta = AttnMeta(cu_seqlens_q=packed.cu_seqlens_q, context_lens=b.context_lens[:n], max_q=max_q,
                         block_tables=b.block_tables[:n], slot_mapping=packed.slot_mapping)
+        if ride:
+            assert self.rider is not None
+            return self.rider(ride, packed.input_ids, packed.positions, meta)  # [T, V]
         return self.forward_fn(packed.input_ids, packed.positions, meta)  # [T, V]
 
     def _accept_phase(self, tier: int, logits: torch.Tensor, packed: PackedBatch) -> None:
@@ -246,11 +279,11 @@ class GraphPool:
         else:
             _copy_out(out, accept_sampling_ref(*args, stats=b.stats))
 
-    def _run_phases(self, tier: int, verify: bool) -> None:
+    def _run_phases(self, tier: int, verify: bool, ride: int = 0) -> None:
         n = self.rows(tier)
         grant = self._allocate_phase(n) if verify and self.max_k > 0 else self.buf.no_grant[:n]
         packed = self._pack_phase(tier, grant)
-        logits = self._target_phase(tier, packed, self.max_k + 1 if verify else 1)
+        logits = self._target_phase(tier, packed, self.max_k + 1 if verify else 1, ride)
         self._accept_phase(tier, logits, packed)
 
     # -- capture and replay -------------------------------------------------------------------
@@ -269,22 +302,57 @@ class GraphPool:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         b.stats.counters.zero_()
-        pool = torch.cuda.graph_pool_handle()
+        self._mempool = torch.cuda.graph_pool_handle()
         for tier in reversed(self.tiers):  # largest first: smaller graphs reuse its memory
             for verify in (True, False):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=self._mempool):
                     self._run_phases(tier, verify)
                 self.graphs[(tier, verify)] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, tier: int, verify: bool) -> None:
-        """Replay (or run eagerly) the tier's verify or decode step on the static buffers."""
-        graph = self.graphs.get((tier, verify))
+    def prepare_ride(self, tier: int, verify: bool, ride: int) -> bool:
+        """Capture the (tier, verify, ride) graph if it is missing (CUDA only); True when it was
+        captured now. Its warm-up runs on padding only (no live request, no riding piece; the
+        acceptance counters are put back), so call it before a step's inputs are loaded."""
+        _require(self.rider is not None and ride in self.rider.buckets, "ride",
+                 f"{ride} is not a bucket of the pool's rider")
+        if not self.capture or (tier, verify, ride) in self.ride_graphs:
+            return False
+        assert self.rider is not None
+        b = self.buf
+        counters = b.stats.counters.clone()
+        b.num_reqs.zero_()
+        b.budget.zero_()
+        self.rider.clear()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._run_phases(tier, verify, ride)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        b.stats.counters.copy_(counters)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            self._run_phases(tier, verify, ride)
+        self.ride_graphs[(tier, verify, ride)] = graph
+        self.ride_captures += 1
+        torch.cuda.synchronize(self.device)
+        return True
+
+    def run(self, tier: int, verify: bool, ride: int = 0) -> None:
+        """Replay (or run eagerly) the tier's verify or decode step on the static buffers, with
+        ``ride`` rider tokens in its forward."""
+        graph = self.ride_graphs.get((tier, verify, ride)) if ride else self.graphs.get((tier, verify))
         if graph is not None:
             graph.replay()
         else:
-            self._run_phases(tier, verify)
+            _require(not (ride and self.capture), "ride", f"graph ({tier}, {verify}, {ride}) not captured: "
+                     "call prepare_ride before loading the step")
+            self._run_phases(tier, verify, ride)
 
 
 def _copy_out(out: AcceptOutput, ref: AcceptOutput) -> None:
@@ -339,13 +407,17 @@ class AdaptiveVerifier:
         block_tables: torch.Tensor | None = None,  # [>= batch, <= max_blocks] int32
         k_valid: torch.Tensor | None = None,  # [>= batch] int32, drafts each request has (<= k)
         draft_probs: torch.Tensor | None = None,  # [>= batch, k, V] float32 (sampling with probs)
+        ride: int = 0,  # rider tokens in the forward (a bucket of the pool's rider, loaded)
     ) -> StepOutput:
         pool, b, n = self.pool, self.pool.buf, batch_size
         tier, k = plan.tier, plan.k
         _require(tier in pool.tiers, "plan.tier", f"{tier} is not a captured tier {pool.tiers}")
         assert tier is not None
-        _require(1 <= n <= pool.rows(tier), "batch_size",
-                 f"{n} is outside 1..{pool.rows(tier)} for tier {tier} (max_batch {pool.max_batch})")
+        _require(ride == 0 or (pool.rider is not None and ride in pool.rider.buckets), "ride",
+                 f"{ride} is not a bucket of the pool's rider")
+        lo = 0 if ride else 1
+        _require(lo <= n <= pool.rows(tier), "batch_size",
+                 f"{n} is outside {lo}..{pool.rows(tier)} for tier {tier} (max_batch {pool.max_batch})")
         _require(0 <= k <= pool.max_k, "plan.k", f"{k} is outside 0..{pool.max_k}")
         _require(last_token.shape[0] >= n and context_lens.shape[0] >= n, "last_token",
                  f"last_token and context_lens need >= {n} rows")
@@ -360,7 +432,7 @@ class AdaptiveVerifier:
         verify = k > 0
         if verify:
             self._fill_drafts(n, k, plan.verify_budget, tier, drafts, conf, k_valid, draft_probs)
-        pool.run(tier, verify)
+        pool.run(tier, verify, ride)
         self._copy_stats_out()
         grant = pool.packed[tier].grant_used[:n] if verify else b.no_grant[:n]
         return StepOutput(b.out.out_tokens[:n], b.out.num_out[:n], grant, k, tier)

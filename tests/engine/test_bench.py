@@ -93,6 +93,8 @@ def test_k_runs_codes_the_steps_in_order():
     (["--concurrency", "0,2"], "--concurrency"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--target", "nonsense"], "nonsense"),
+    (["--prefill-budget", "64"], "--prefill-budget"),  # without --mixed-prefill
+    (["--mixed-prefill", "--prefill-budget", "0"], "--prefill-budget"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, argv, needle):
     policy = write_policy(tmp_path / "policy.yaml")

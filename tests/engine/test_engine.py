@@ -282,8 +282,9 @@ def test_fused_layers_speculative_output_is_their_plain_greedy_output():
         assert res.mean_accept_len is not None and res.mean_accept_len > 1.0
 
 
-@pytest.mark.gpu
-def test_captured_engine_on_cuda_matches_plain_greedy():
+def cuda_parts():
+    """The tiny target on CUDA with the paged Triton backend, a replay drafter and the requests:
+    (target, replay, requests, max_len, num_blocks)."""
     from spectune.models.paged import PagedTritonAttention
 
     args = ModelArgs.from_name("tiny")
@@ -297,23 +298,29 @@ def test_captured_engine_on_cuda_matches_plain_greedy():
     replay = ReplayDrafter(max_requests=len(PROMPT_LENS), max_len=MAX_NEW, max_k=MAX_K,
                            vocab_size=args.vocab_size, device="cuda", cost_drafter=models.drafter,
                            hidden=torch.randn(MAX_BATCH, args.dim, device="cuda"))
-    engine = Engine(models.target, tiers=TIERS, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len,
+    g = torch.Generator().manual_seed(0)
+    requests = [Request(tuple(torch.randint(1, args.vocab_size, (n,), generator=g).tolist()), m)
+                for n, m in zip(PROMPT_LENS, MAX_NEWS, strict=True)]
+    return models.target, replay, requests, max_len, blocks
+
+
+@pytest.mark.gpu
+def test_captured_engine_on_cuda_matches_plain_greedy():
+    target, replay, requests, max_len, blocks = cuda_parts()
+    engine = Engine(target, tiers=TIERS, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len,
                     num_blocks=blocks, device="cuda", block_size=BLOCK, proposer=replay, prefill_chunk=8)
     assert engine.pool.capture
     engine.warm_prefill(PROMPT_LENS, MAX_BATCH)
     assert engine.prefill.captures > 0
-    g = torch.Generator().manual_seed(0)
-    requests = [Request(tuple(torch.randint(1, args.vocab_size, (n,), generator=g).tolist()), m)
-                for n, m in zip(PROMPT_LENS, MAX_NEWS, strict=True)]
     plain = engine.run(requests, FixedPolicy(0, engine.tiers), concurrency=3)
     assert all(plain.done)
-    eager = Engine(models.target, tiers=TIERS, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len,
+    eager = Engine(target, tiers=TIERS, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len,
                    num_blocks=blocks, device="cuda", block_size=BLOCK, proposer=replay, prefill_chunk=8,
                    capture=False)
     assert not eager.prefill.graphs
     assert eager.run(requests, FixedPolicy(0, eager.tiers), concurrency=3).outputs == plain.outputs
     assert plain.captures == 0
-    n = len(requests)
+    n, g = len(requests), torch.Generator().manual_seed(1)
     replay.load(plain.outputs, torch.full((n, MAX_K), 0.8), torch.rand(n, MAX_NEW, generator=g))
     engine.prepare([3], 4)
     spec = engine.run(requests, FixedPolicy(3, engine.tiers), concurrency=4)

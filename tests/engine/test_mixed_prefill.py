@@ -1,0 +1,235 @@
+"""Mixed prefill: prompt pieces ride in the step's target forward; outputs are plain greedy's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spectune.engine.bench import FixedPolicy, arm_policy
+from spectune.engine.engine import Engine, EngineError, Request
+from spectune.engine.mixed import Filling, ride_shapes
+from spectune.engine.prefill import Piece
+from spectune.runtime.planner import load
+from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepError
+from tests.engine.test_engine import (
+    BLOCK,
+    MAX_BATCH,
+    MAX_K,
+    MAX_NEW,
+    PROMPT_LENS,
+    cuda_parts,
+    load_replay,
+    make_rig,
+    write_policy,
+)
+
+CHUNK = 8  # make_rig's prefill_chunk: the 19-token prompt needs three pieces
+
+
+@pytest.fixture(scope="module")
+def rig():
+    return make_rig()
+
+
+@pytest.fixture(scope="module")
+def plain(rig):
+    """Plain decoding with separate prefill forwards: the reference outputs."""
+    return rig.engine.run(rig.requests, FixedPolicy(0, rig.engine.tiers), concurrency=3)
+
+
+def mixed_engine(rig, budget: int) -> Engine:
+    e = rig.engine
+    return Engine(rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
+                  num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=rig.proposer, kernels=False,
+                  prefill_chunk=CHUNK, prefill_tokens=16, mixed_prefill=True, prefill_budget=budget)
+
+
+class StepPieces:
+    """Records the pieces of every riding step (wraps ``MixedPrefill.plan``)."""
+
+    def __init__(self, engine: Engine):
+        self.steps: list[list[Piece]] = []
+        mixed = engine.mixed
+        assert mixed is not None
+        inner = mixed.plan
+
+        def plan(filling, prompts):
+            pieces, ride = inner(filling, prompts)
+            self.steps.append(list(pieces))
+            return pieces, ride
+
+        mixed.plan = plan  # type: ignore[method-assign]
+
+
+def check_run(res, plain, rig) -> None:
+    assert all(res.done) and not res.timed_out
+    assert res.outputs == plain.outputs
+    assert res.prefill_forwards == 0  # no separate prefill forward at all
+    assert res.mixed_prefill_tokens == sum(PROMPT_LENS)  # every prompt token rode exactly once
+    assert all(t is not None and t >= 0 for t in res.ttft_ms)
+    assert res.decode_tokens == res.tokens - len(rig.requests)  # first tokens are the prompts' pieces'
+
+
+def test_separate_prefill_runs_forwards(plain):
+    assert plain.prefill_forwards > 0 and plain.mixed_prefill_tokens == 0 and plain.prefill_steps == 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 4])
+@pytest.mark.parametrize("budget", [16, 5])
+def test_plain_arm_with_mixed_prefill_is_plain_greedy(rig, plain, concurrency, budget):
+    engine = mixed_engine(rig, budget)
+    res = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=concurrency)
+    check_run(res, plain, rig)
+    assert set(res.k_hist) == {0}
+    # prefill and decode margins of every token are recorded as with separate prefill forwards
+    for got, want in zip(res.margins, plain.margins, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("arm, concurrency", [("fixed:3", 4), ("fixed:1", 3), ("fixed:2", 1)])
+def test_fixed_k_with_mixed_prefill_is_plain_greedy(rig, plain, arm, concurrency):
+    load_replay(rig, plain.outputs)
+    engine = mixed_engine(rig, 16)
+    res = engine.run(rig.requests, arm_policy(arm, engine.tiers), concurrency=concurrency)
+    check_run(res, plain, rig)
+    assert res.mean_accept_len is not None and res.mean_accept_len > 1.0
+    assert res.margins[0][0] == pytest.approx(plain.margins[0][0], abs=1e-4)  # the first token's margin
+
+
+def test_auto_arm_with_mixed_prefill_is_plain_greedy(rig, plain, tmp_path):
+    load_replay(rig, plain.outputs)
+    planner = load(write_policy(tmp_path / "policy.yaml"))
+    engine = mixed_engine(rig, 6)
+    res = engine.run(rig.requests, arm_policy("auto", engine.tiers, planner), concurrency=4)
+    check_run(res, plain, rig)
+    assert set(res.k_hist) <= {2, 3} and res.k_hist and res.observed > 0
+
+
+def test_a_binding_budget_splits_prompts_over_steps(rig, plain):
+    engine = mixed_engine(rig, 5)  # below the chunk: every piece <= 5 tokens
+    spy = StepPieces(engine)
+    res = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=4)
+    check_run(res, plain, rig)
+    riding = [s for s in spy.steps if s]
+    assert all(sum(p.length for p in s) <= 5 for s in riding)
+    assert any(sum(p.length for p in s) == 5 for s in riding)  # the budget bound
+    assert len(riding) >= -(-sum(PROMPT_LENS) // 5)
+    # the 19-token prompt (request 1, the only one past 15 tokens) went over four steps: 5+5+5+4
+    assert max(p.start for s in riding for p in s) == 15
+    assert res.prefill_steps >= 1  # the first admission has no live row yet
+    wide = mixed_engine(rig, 16)
+    spy_wide = StepPieces(wide)
+    wide.run(rig.requests, FixedPolicy(0, wide.tiers), concurrency=4)
+    assert max(p.length for s in spy_wide.steps for p in s) == CHUNK  # a 16-token budget: the chunk caps pieces
+    assert max(len(s) for s in spy_wide.steps) >= 2  # several prompts in one step
+
+
+def test_requests_admitted_one_at_a_time_and_done_at_their_first_token(rig):
+    # max_new_tokens 1 everywhere: each request leaves after the step that ended its prompt
+    reqs = [Request(r.prompt, 1) for r in rig.requests]
+    base = rig.engine.run(reqs, FixedPolicy(0, rig.engine.tiers), concurrency=2)
+    engine = mixed_engine(rig, 8)
+    res = engine.run(reqs, FixedPolicy(0, engine.tiers), concurrency=2)
+    assert res.outputs == base.outputs and all(len(o) == 1 for o in res.outputs)
+    assert res.steps == 0 and res.prefill_steps > 0 and res.prefill_forwards == 0
+    assert all(t is not None for t in res.ttft_ms)
+
+
+def test_triton_kernels_with_mixed_prefill_give_the_reference_outputs(plain):
+    # the GPU path on CPU (Triton's interpreter): paged Triton attention over the merged metadata
+    # (decode slots of query length 1..K+1 and prompt pieces of up to a chunk in one launch) and
+    # the Triton pack / allocate / accept kernels, against the torch references' separate prefill
+    from spectune.models.paged import PagedTritonAttention
+
+    kernel_rig = make_rig()
+    a, e = kernel_rig.target.args, kernel_rig.engine
+    kernel_rig.target.backend = PagedTritonAttention(a.n_layers, e.num_blocks, BLOCK, a.n_kv_heads, a.head_dim,
+                                                 torch.float32, "cpu")
+    engine = Engine(kernel_rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
+                    num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=kernel_rig.proposer, kernels=True,
+                    prefill_chunk=CHUNK, mixed_prefill=True, prefill_budget=16)
+    load_replay(kernel_rig, plain.outputs)
+    for k, concurrency in ((0, 3), (3, 4)):
+        res = engine.run(kernel_rig.requests, FixedPolicy(k, engine.tiers), concurrency=concurrency)
+        check_run(res, plain, kernel_rig)
+
+
+def test_filling_keeps_admission_order():
+    f = Filling()
+    for rid, mark in ((7, 0), (3, 1), (5, 1)):
+        f.add(rid, mark)
+    ended, stay = f.advance([Piece(0, 0, 4, False), Piece(1, 0, 2, True), Piece(2, 0, 6, False)])
+    assert ended == [(1, 3, 1)] and stay == [0, 2]
+    assert f.rids == [7, 5] and f.done == [4, 6] and f.marks == [0, 1]
+    ended, stay = f.advance([Piece(0, 4, 1, True), Piece(1, 6, 1, True)])
+    assert ended == [(0, 7, 0), (1, 5, 1)] and stay == [] and len(f) == 0
+
+
+def test_ride_shapes_cover_a_full_batch_at_the_largest_k():
+    shapes = ride_shapes([1, 4, 8, 16, 32], [0, 3], 4, [16, 32])
+    assert {t for t, _, _ in shapes} == {1, 4, 8, 16}  # 4 rows x (1 + 3) tokens: tier 16
+    assert len(shapes) == 4 * 2 * 2 and shapes[0] == (16, True, 32)
+    plain = ride_shapes([1, 4, 8], [0], 3, [16])
+    assert plain == [(4, False, 16), (1, False, 16)]
+    # a verify-only arm still needs the smallest tier's decode step (a step with no live row)
+    assert (1, False, 16) in ride_shapes([1, 4], [2], 1, [16]) and (1, True, 16) in ride_shapes([1, 4], [2], 1, [16])
+
+
+def test_bad_budget_and_ride_name_the_field(rig):
+    e = rig.engine
+    with pytest.raises(EngineError, match="prefill_budget"):
+        Engine(rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
+               num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, kernels=False, mixed_prefill=True,
+               prefill_budget=0)
+    engine = mixed_engine(rig, 16)
+    z = torch.zeros(MAX_BATCH, dtype=torch.int64)
+    with pytest.raises(StepError, match="ride"):
+        engine.verifier.step(z, None, None, 1, FixedPolicy(0, engine.tiers).plan(1),
+                             context_lens=z.to(torch.int32), ride=32)  # not a bucket
+    plain_pool = AdaptiveVerifier(GraphPool(lambda *a: None, [4], max_batch=2, max_k=1, device="cpu", kernels=False))
+    with pytest.raises(StepError, match="ride"):  # a pool without a rider
+        plain_pool.step(z, None, None, 1, FixedPolicy(0, (4,)).plan(1), context_lens=z.to(torch.int32), ride=16)
+    with pytest.raises(StepError, match="batch_size"):  # no live row needs riding tokens
+        plain_pool.step(z, None, None, 0, FixedPolicy(0, (4,)).plan(1), context_lens=z.to(torch.int32))
+
+
+@pytest.mark.gpu
+def test_captured_mixed_prefill_on_cuda_matches_separate_prefill():
+    target, replay, requests, max_len, blocks = cuda_parts()
+    tiers = (1, 2, 3, 4, 8, 12, 16)
+
+    def engine(mixed: bool) -> Engine:
+        return Engine(target, tiers=tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len, num_blocks=blocks,
+                      device="cuda", block_size=BLOCK, proposer=replay, prefill_chunk=CHUNK, mixed_prefill=mixed,
+                      prefill_budget=16)
+
+    base = engine(False).run(requests, FixedPolicy(0, tiers), concurrency=3)
+    mixed = engine(True)
+    assert mixed.pool.capture
+    res = mixed.run(requests, FixedPolicy(0, tiers), concurrency=3)
+    assert res.outputs == base.outputs and res.prefill_forwards == 0 and res.captures > 0
+    n, g = len(requests), torch.Generator().manual_seed(1)
+    replay.load(base.outputs, torch.full((n, MAX_K), 0.8), torch.rand(n, MAX_NEW, generator=g))
+    mixed.prepare([3], 4)
+    spec = mixed.run(requests, FixedPolicy(3, tiers), concurrency=4)
+    assert spec.outputs == base.outputs and spec.mean_accept_len > 1.0
+    again = mixed.run(requests, FixedPolicy(3, tiers), concurrency=4)
+    assert again.outputs == base.outputs and again.captures == 0  # every graph captured once
+
+
+def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_path):
+    import json
+
+    from spectune.cli import main
+
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "results.json"
+    argv = ["bench", "--policy", str(policy), "--out", str(out), "--concurrency", "2", "--arms", "plain,fixed:2",
+            "--repeats", "1", "--prompts", "3", "--max-new-tokens", "6", "--prompt-len", "9", "--device", "cpu",
+            "--no-progress", "--mixed-prefill", "--prefill-budget", "8"]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["header"]["mixed_prefill"] is True and data["header"]["prefill_budget"] == 8
+    for row in data["rows"]:
+        assert row["completed"] == 3 and row["mismatches"] == 0
+        assert row["prefill_forwards"] == 0 and row["mixed_prefill_tokens"] == 3 * 9
