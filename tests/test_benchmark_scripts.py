@@ -281,17 +281,30 @@ def test_targets_tables_stops_a_stage_at_the_deadline(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fused_step_dry_run_on_cpu(tmp_path, capsys):
-    # every arm on the tiny preset: unfused, fused (Triton's interpreter), the yardstick (eager)
+def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
+    # every arm on the tiny preset over the paged Triton cache (Triton's interpreter): unfused,
+    # fused with the separate cache write, fused with the write in the q/k-norm + RoPE kernel,
+    # the yardstick (eager)
+    from spectune.models import paged
+
     mod = load("fused_step")
+    separate_writes = []  # the backend's own write_kv calls
+    real_write = paged.write_kv
+    monkeypatch.setattr(paged, "write_kv", lambda *a: separate_writes.append(1) or real_write(*a))
     assert mod.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--context-len", "8",
-                     "--compile-backend", "eager", "--out-dir", str(tmp_path)]) == 0
+                     "--compile-backend", "eager", "--attention", "triton", "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "fused_step.json").read_text())
-    assert res["check"]["argmax_agree"] == 1.0
-    assert res["check"]["max_abs_diff"] < 0.05 * res["check"]["ref_abs_max"]
-    assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in ("unfused", "fused", "compiled")}
+    check = res["check"]
+    for arm in ("fused", "fused_kv"):
+        assert check[arm]["argmax_agree"] == 1.0
+        assert check[arm]["max_abs_diff"] < 0.05 * check["ref_abs_max"]
+    assert check["fused_kv_equals_fused"] is True
+    arms = ("unfused", "fused", "fused_kv", "compiled")
+    assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in arms}
     assert all(p["ms"] > 0 and "error" not in p for p in res["points"])
-    assert "fused/compiled" in capsys.readouterr().out
+    assert res["attention"] == "triton" and separate_writes  # unfused and fused wrote on their own
+    out = capsys.readouterr().out
+    assert "fused_kv/fused" in out and "fused_kv/compiled" in out
     with pytest.raises(SystemExit, match="--batches"):
         mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
 
