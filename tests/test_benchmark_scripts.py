@@ -309,6 +309,39 @@ def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
         mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
 
 
+def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
+    # every shape and M on the tiny preset; fp8 through torch._scaled_mm on CPU (its gate lifted),
+    # cuBLASLt skipped off CUDA
+    from spectune.models.config import ModelArgs
+
+    mod = load("gemm_check")
+    monkeypatch.setattr(mod, "scaled_mm_ok", lambda x, w: True)
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "2,1", "--flush-mib", "1",
+                     "--read-mib", "1", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gemm_check.json").read_text())
+    tiny = ModelArgs.from_name("tiny")
+    want = {"wqkv": (256, 128), "wo": (128, 128), "w13": (512, 128), "w2": (128, 256),
+            "lm_head": (tiny.vocab_size, tiny.dim)}  # (H + 2 Hkv) D = 8 * 32, 2 I = 512
+    assert {(r["shape"], r["n"], r["k"], r["m"]) for r in res["rows"]} == {
+        (name, n, k, m) for name, (n, k) in want.items() for m in (1, 2)}
+    for r in res["rows"]:
+        assert r["copies"] * 2 * r["n"] * r["k"] >= 2**20 or r["copies"] == mod.MAX_COPIES
+        for arm in ("matmul", "linear", "fp8"):
+            c = r[arm]
+            assert "error" not in c and c["ms"] > 0
+            assert c["gbps"] == pytest.approx(c["weight_bytes"] / (c["ms"] * 1e-3) / 1e9)
+            assert c["of_read_bw"] == pytest.approx(c["gbps"] / res["read"]["gbps"])
+        assert r["matmul"]["weight_bytes"] == 2 * r["n"] * r["k"]
+        assert r["fp8"]["weight_bytes"] == r["n"] * r["k"] + 4 * r["n"]
+        assert r["matmul"]["rel_err"] < 0.02 and 0 < r["fp8"]["rel_err"] < 0.15  # bf16 out; e4m3
+        assert r["linear_lt"] == {"skipped": "CUDA only"}
+    assert "lm_head" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--ms"):
+        mod.main(["--device", "cpu", "--ms", "0,1", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--preset"):
+        mod.main(["--device", "cpu", "--preset", "no-such-model", "--out-dir", str(tmp_path)])
+
+
 def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, capsys):
     from spectune.runtime.table import read_table
 
