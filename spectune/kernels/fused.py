@@ -236,14 +236,28 @@ def _qk_norm_rope_kernel(
     head = tl.arange(0, HEADS_BLOCK)[:, None]  # [HB, 1]
     d = tl.arange(0, HALF_BLOCK)[None, :]  # [1, HALF]
     d_ok = d < half
-    n_rows = n_heads + n_kv_heads + (n_kv_heads if WRITE_KV else 0)
+    n_rows = n_heads + n_kv_heads
+    if WRITE_KV:
+        n_rows += n_kv_heads
     ok = (head < n_rows) & d_ok
     q_ok = (head < n_heads) & d_ok  # rows written to q
     k_ok = ok & (head >= n_heads) & (head < n_heads + n_kv_heads)  # rows written to k
     src = qkv_ptr + row * stride_qkv + head * HEAD_DIM
-    x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)  # [HB, HALF]
-    x2 = tl.load(src + half + d, mask=ok, other=0.0).to(tl.float32)
-    v1, v2 = x1, x2  # the raw rows (v, WRITE_KV)
+    raw1 = tl.load(src + d, mask=ok, other=0.0)  # [HB, HALF], qkv's dtype
+    raw2 = tl.load(src + half + d, mask=ok, other=0.0)
+    if WRITE_KV:
+        # v rows go to the cache as read (the cache holds qkv's dtype); slot -> (block, offset)
+        # as write_kv reads it; a padding row (slot < 0) writes nothing
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if slot >= 0:
+            v_ok = ok & (head >= n_heads + n_kv_heads)
+            v_head = head - n_heads - n_kv_heads
+            v_dst = (v_cache_ptr + (slot // block_size) * stride_vcb
+                     + (slot % block_size) * stride_vcs + v_head * stride_vch)
+            tl.store(v_dst + d, raw1, mask=v_ok)
+            tl.store(v_dst + half + d, raw2, mask=v_ok)
+    x1 = raw1.to(tl.float32)
+    x2 = raw2.to(tl.float32)
     if HAS_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [HB]
         rstd = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
@@ -264,20 +278,13 @@ def _qk_norm_rope_kernel(
     tl.store(q_dst + d, y1.to(q_ptr.dtype.element_ty), mask=q_ok)
     tl.store(q_dst + half + d, y2.to(q_ptr.dtype.element_ty), mask=q_ok)
     if WRITE_KV:
-        # slot -> (block, offset) as write_kv reads it; a padding row (slot < 0) writes nothing
-        slot = tl.load(slot_ptr + row).to(tl.int64)
+        slot = tl.load(slot_ptr + row).to(tl.int64)  # as above
         if slot >= 0:
-            blk = slot // block_size
-            off = slot % block_size
             k_head = head - n_heads
-            k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + k_head * stride_kch
+            k_dst = (k_cache_ptr + (slot // block_size) * stride_kcb
+                     + (slot % block_size) * stride_kcs + k_head * stride_kch)
             tl.store(k_dst + d, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
             tl.store(k_dst + half + d, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
-            v_ok = ok & (head >= n_heads + n_kv_heads)
-            v_head = head - n_heads - n_kv_heads
-            v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + v_head * stride_vch
-            tl.store(v_dst + d, v1.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
-            tl.store(v_dst + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
     else:
         k_dst = k_ptr + (row * n_kv_heads + head - n_heads) * HEAD_DIM
         tl.store(k_dst + d, y1.to(k_ptr.dtype.element_ty), mask=k_ok)
