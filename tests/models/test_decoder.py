@@ -12,6 +12,7 @@ from spectune.models.drafters import BlockDrafter, EagleDrafter, greedy_confiden
 from spectune.models.paged import PagedTritonAttention
 
 TINY = ModelArgs.from_name("tiny")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # paged Triton tests: the interpreter on CPU
 
 
 def build(dtype=torch.float64, seed=0, **kw):
@@ -222,24 +223,27 @@ def paged_greedy(model, dtype, steps, *, kv_write=True):
     every model): step 0 verifies q_lens [2, 1, 3] plus 2 padding rows, then one token per request
     per step, 1 padding row. Returns (logits of each step, tokens [steps, 3], the backend)."""
     torch.manual_seed(11)  # the cache's random context
-    backend = PagedTritonAttention(TINY.n_layers, 16, 4, TINY.n_kv_heads, TINY.head_dim, dtype)
+    backend = PagedTritonAttention(TINY.n_layers, 16, 4, TINY.n_kv_heads, TINY.head_dim, dtype,
+                                   DEVICE)
     tables = backend.allocate(3, 8, 3 + steps, generator=torch.Generator().manual_seed(12))
+    model.to(DEVICE)
     model.backend, model.kv_write = backend, kv_write
     q_lens, ctx = [2, 1, 3], [8, 3, 5]
     ids = torch.randint(1, TINY.vocab_size, (8,), generator=torch.Generator().manual_seed(13))
+    ids = ids.to(DEVICE)
     logits, tokens = [], []
     for _ in range(steps):
         meta = backend.meta_for(tables, q_lens, ctx, num_tokens=ids.shape[0])
         pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens, strict=True)])
         pos = torch.cat([pos, torch.zeros(ids.shape[0] - pos.shape[0], dtype=torch.long)])
-        out = model(ids, pos, meta)
+        out = model(ids, pos.to(DEVICE), meta).cpu()
         last = torch.tensor(q_lens).cumsum(0) - 1  # each request's last real row
         nxt = out[last].argmax(-1)
         logits.append(out[: sum(q_lens)])
         tokens.append(nxt)
         ctx = [c + q for c, q in zip(ctx, q_lens, strict=True)]
         q_lens = [1, 1, 1]
-        ids = torch.cat([nxt, torch.tensor([1])])  # one padding row
+        ids = torch.cat([nxt, torch.tensor([1])]).to(DEVICE)  # one padding row
     return logits, torch.stack(tokens), backend
 
 
@@ -316,17 +320,20 @@ def test_fused_drafter_proposes_what_the_unfused_one_does(cls, paged):
     causal = cls is EagleDrafter
     hidden, last = drafter_inputs(3)
     ctx = torch.tensor([4, 7, 2], dtype=torch.int32)
+    device = DEVICE if paged else "cpu"
+    hidden, last, ctx = hidden.float().to(device), last.to(device), ctx.to(device)
     out = []
     for d in (plain, fused):
         if paged:  # meta without block tables: the drafters' own per-step meta
             torch.manual_seed(4)
+            d.to(device)
             d.backend = PagedTritonAttention(2, 12, 4, TINY.n_kv_heads, TINY.head_dim,
-                                             torch.float32, causal=causal)
+                                             torch.float32, device, causal=causal)
             d.backend.allocate(3, 8, 3, generator=torch.Generator().manual_seed(5))
         else:
             d.backend = fresh_cache(2, 3, 12, 1 if causal else 3, dtype=torch.float32, causal=causal)
             d.backend.randomize_(torch.Generator().manual_seed(4))
-        out.append(d.propose(hidden.float(), last, 3, context_lens=ctx))
+        out.append(d.propose(hidden, last, 3, context_lens=ctx))
     assert torch.equal(out[0][0], out[1][0])
     torch.testing.assert_close(out[1][1], out[0][1], atol=1e-5, rtol=1e-5)
     if paged:
