@@ -6,21 +6,26 @@ tokens of KV per request) is timed at q = 1 for each batch size with the profile
 (``autotune.timing.default_timer``: a FULL CUDA graph of the step, median of replays):
 
   unfused   the reference decoder as the shipped profiles measured it
-  fused     the same weights with ``model.fused = True``: residual + RMSNorm, q/k-norm + RoPE and
-            SiLU x mul one kernel each
+  fused     the same weights with ``model.fused = True`` and ``model.kv_write = False``: residual
+            + RMSNorm, q/k-norm + RoPE and SiLU x mul one kernel each, the paged KV-cache write
+            a kernel of its own (``kernels.kv_cache.write_kv``)
+  fused_kv  the fused decoder as ``spectune profile --fused`` runs it: the KV-cache write inside
+            the q/k-norm + RoPE kernel (``kernels.fused.qk_norm_rope_write``), one launch less per
+            layer (only with paged Triton attention: ``--attention torch`` makes it ``fused``)
   compiled  the yardstick: a decoder of this script's own over the same weights, one layer
             function ``torch.compile``'d (static shapes, one graph per batch size, reused by every
             layer), folded-GQA SDPA over a dense static KV of context + 1 slots per request, the
             new K/V written into the last slot; the step around it captured the same way
 
 Beside each time, the device kernels one eager step launches (torch.profiler, CUDA only). Before
-timing, the fused step's logits are checked against the unfused step's on the same inputs.
+timing, both fused steps' logits are checked against the unfused step's on the same inputs, and
+fused_kv's against fused's (the same maths, the cache write moved: equal bit for bit).
 Prints a table; writes ``fused_step.json`` under ``--out-dir`` (default $OUT, else
 benchmarks/results/).
 
     python benchmarks/fused_step.py                     # one H200: ~2 minutes (3 compiles)
     python benchmarks/fused_step.py --device cpu --preset tiny --batches 1,2 --context-len 32 \\
-        --compile-backend eager                         # dry run of every code path
+        --compile-backend eager --attention triton      # dry run of every code path
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from spectune.autotune.hardware import software_facts  # noqa: E402
 from spectune.autotune.timing import Timer, default_timer, free_device_memory  # noqa: E402
 from spectune.io import atomic_write_text  # noqa: E402
 from spectune.kernels.fused import apply_rope  # noqa: E402
-from spectune.models.build import StepFn, build_target, target_step  # noqa: E402
+from spectune.models.build import AttentionChoice, StepFn, build_target, target_step  # noqa: E402
 from spectune.models.config import ModelArgs, ModelError, resolve_target  # noqa: E402
 from spectune.models.decoder import Transformer  # noqa: E402
 
@@ -174,29 +179,44 @@ def compiled_step(
 # points
 
 
-def check_fused(model: Transformer, batch: int, context: int) -> dict[str, Any]:
-    """Unfused and fused logits of the same step on the same inputs (fresh caches each)."""
-    logits = []
-    for fused in (False, True):
-        model.fused = fused
-        torch.manual_seed(1)  # the same random KV cache for both
+ARMS = ("unfused", "fused", "fused_kv")  # the decoder's own arms, beside "compiled"
+
+
+def set_arm(model: Transformer, arm: str) -> None:
+    model.fused = arm != "unfused"
+    model.kv_write = arm == "fused_kv"
+
+
+def check_fused(
+    model: Transformer, batch: int, context: int, attention: AttentionChoice = "auto"
+) -> dict[str, Any]:
+    """Each arm's logits of the same step on the same inputs (fresh caches each): each fused arm
+    against unfused, and fused_kv against fused (expected equal bit for bit)."""
+    logits = {}
+    for arm in ARMS:
+        set_arm(model, arm)
+        torch.manual_seed(1)  # the same random KV cache for every arm
         step = target_step(
             model,
             batch=batch,
             q=1,
             context_len=context,
             generator=torch.Generator(device=model.device).manual_seed(1),
+            attention=attention,
         )
-        logits.append(step.run().float())  # type: ignore[attr-defined]
+        logits[arm] = step.run().float()  # type: ignore[attr-defined]
         model.backend = None
-    model.fused = False
-    ref, got = logits
-    return {
-        "batch": batch,
-        "max_abs_diff": float((got - ref).abs().max()),
-        "ref_abs_max": float(ref.abs().max()),
-        "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-    }
+    set_arm(model, "unfused")
+    ref = logits["unfused"]
+    out: dict[str, Any] = {"batch": batch, "ref_abs_max": float(ref.abs().max())}
+    for arm in ARMS[1:]:
+        got = logits[arm]
+        out[arm] = {
+            "max_abs_diff": float((got - ref).abs().max()),
+            "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        }
+    out["fused_kv_equals_fused"] = bool(torch.equal(logits["fused_kv"], logits["fused"]))
+    return out
 
 
 def time_point(step: StepFn, timer: Timer, device: torch.device) -> dict[str, Any]:
@@ -217,6 +237,7 @@ def run_arm(
     context: int,
     timer: Timer,
     layer_fn: Callable[..., torch.Tensor] | None,
+    attention: AttentionChoice = "auto",
 ) -> list[dict[str, Any]]:
     points = []
     for batch in batches:
@@ -229,13 +250,19 @@ def run_arm(
                 step.run()  # compiles this shape
                 point["compile_s"] = time.perf_counter() - start
             else:
-                model.fused = arm == "fused"
-                step = target_step(model, batch=batch, q=1, context_len=context)
+                set_arm(model, arm)
+                step = target_step(
+                    model,
+                    batch=batch,
+                    q=1,
+                    context_len=context,
+                    attention=attention,
+                )
             point.update(time_point(step, timer, model.device))
             del step
         except Exception as exc:
             point["error"] = first_line(exc)
-        model.fused = False
+        set_arm(model, "unfused")
         model.backend = None
         free_device_memory()
         say(
@@ -255,15 +282,23 @@ def print_table(result: dict[str, Any]) -> None:
     say(
         f"\n{result['target']} {result['dtype']} context {result['context_len']}, q = 1, step ms (kernels)"
     )
-    say(f"{'batch':>6} {'unfused':>16} {'fused':>16} {'compiled':>16} {'fused/compiled':>15}")
+    arms = (*ARMS, "compiled")
+    say(
+        f"{'batch':>6} "
+        + " ".join(f"{a:>16}" for a in arms)
+        + f" {'fused_kv/fused':>15} {'fused_kv/compiled':>18}"
+    )
     for b in result["batches"]:
         cells, ms = [], {}
-        for arm in ("unfused", "fused", "compiled"):
+        for arm in arms:
             p = by.get((arm, b), {})
             ms[arm] = p.get("ms")
-            cells.append(f"{p['ms']:.3f} ({p.get('kernels')})" if "ms" in p else "error")
-        ratio = f"{ms['fused'] / ms['compiled']:.3f}" if ms["fused"] and ms["compiled"] else "-"
-        say(f"{b:>6} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {ratio:>15}")
+            cells.append(f"{p['ms']:.3f} ({p.get('kernels')})" if "ms" in p else "-")
+        ratios = [
+            f"{ms['fused_kv'] / ms[other]:.3f}" if ms["fused_kv"] and ms[other] else "-"
+            for other in ("fused", "compiled")
+        ]
+        say(f"{b:>6} " + " ".join(f"{c:>16}" for c in cells) + f" {ratios[0]:>15} {ratios[1]:>18}")
 
 
 def parse_batches(text: str) -> list[int]:
@@ -289,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.compile backend of the yardstick (eager: a quick dry run)",
     )
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled yardstick")
+    ap.add_argument(
+        "--attention",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="target attention (auto: paged Triton on CUDA, dense torch elsewhere; the fused_kv "
+        "arm needs triton: on CPU that is Triton's interpreter)",
+    )
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args(argv)
     batches = parse_batches(args.batches)
@@ -320,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "batches": batches,
         "context_len": args.context_len,
         "compile_backend": args.compile_backend,
+        "attention": args.attention,
         "points": [],
     }
     say(
@@ -332,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     result["build_s"] = time.perf_counter() - started
     say(f"  built in {result['build_s']:.1f} s")
     try:
-        result["check"] = check_fused(model, batches[0], args.context_len)
-        say(f"  fused vs unfused logits at b={batches[0]}: {result['check']}")
+        result["check"] = check_fused(model, batches[0], args.context_len, args.attention)
+        say(f"  fused arms vs unfused logits at b={batches[0]}: {result['check']}")
     except Exception as exc:
         result["check"] = {"error": first_line(exc)}
         say(f"  check: {result['check']['error']}")
@@ -347,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         layer_fn = torch.compile(
             reference_layer, backend=args.compile_backend, dynamic=False, fullgraph=True
         )
-    for arm in ("unfused", "fused", *(() if args.no_compiled else ("compiled",))):
-        result["points"] += run_arm(arm, model, batches, args.context_len, timer, layer_fn)
+    for arm in (*ARMS, *(() if args.no_compiled else ("compiled",))):
+        result["points"] += run_arm(
+            arm, model, batches, args.context_len, timer, layer_fn, args.attention
+        )
     result["wall_s"] = time.perf_counter() - started
     print_table(result)
     path = out / "fused_step.json"

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -281,19 +282,66 @@ def test_targets_tables_stops_a_stage_at_the_deadline(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fused_step_dry_run_on_cpu(tmp_path, capsys):
-    # every arm on the tiny preset: unfused, fused (Triton's interpreter), the yardstick (eager)
+def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
+    # every arm on the tiny preset over the paged Triton cache (Triton's interpreter): unfused,
+    # fused with the separate cache write, fused with the write in the q/k-norm + RoPE kernel,
+    # the yardstick (eager)
+    from spectune.models import paged
+
     mod = load("fused_step")
-    assert mod.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--context-len", "8",
-                     "--compile-backend", "eager", "--out-dir", str(tmp_path)]) == 0
+    separate_writes = []  # the backend's own write_kv calls
+    real_write = paged.write_kv
+    monkeypatch.setattr(paged, "write_kv", lambda *a: separate_writes.append(1) or real_write(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # paged Triton: the interpreter on CPU
+    assert mod.main(["--device", device, "--preset", "tiny", "--batches", "2", "--context-len", "8",
+                     "--compile-backend", "eager", "--attention", "triton", "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "fused_step.json").read_text())
-    assert res["check"]["argmax_agree"] == 1.0
-    assert res["check"]["max_abs_diff"] < 0.05 * res["check"]["ref_abs_max"]
-    assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in ("unfused", "fused", "compiled")}
+    check = res["check"]
+    for arm in ("fused", "fused_kv"):
+        assert check[arm]["argmax_agree"] == 1.0
+        assert check[arm]["max_abs_diff"] < 0.05 * check["ref_abs_max"]
+    assert check["fused_kv_equals_fused"] is True
+    arms = ("unfused", "fused", "fused_kv", "compiled")
+    assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in arms}
     assert all(p["ms"] > 0 and "error" not in p for p in res["points"])
-    assert "fused/compiled" in capsys.readouterr().out
+    assert res["attention"] == "triton" and separate_writes  # unfused and fused wrote on their own
+    out = capsys.readouterr().out
+    assert "fused_kv/fused" in out and "fused_kv/compiled" in out
     with pytest.raises(SystemExit, match="--batches"):
         mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
+
+
+def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
+    # every shape and M on the tiny preset; fp8 through torch._scaled_mm on CPU (its gate lifted),
+    # cuBLASLt skipped off CUDA
+    from spectune.models.config import ModelArgs
+
+    mod = load("gemm_check")
+    monkeypatch.setattr(mod, "scaled_mm_ok", lambda x, w: True)
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "2,1", "--flush-mib", "1",
+                     "--read-mib", "1", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gemm_check.json").read_text())
+    tiny = ModelArgs.from_name("tiny")
+    want = {"wqkv": (256, 128), "wo": (128, 128), "w13": (512, 128), "w2": (128, 256),
+            "lm_head": (tiny.vocab_size, tiny.dim)}  # (H + 2 Hkv) D = 8 * 32, 2 I = 512
+    assert {(r["shape"], r["n"], r["k"], r["m"]) for r in res["rows"]} == {
+        (name, n, k, m) for name, (n, k) in want.items() for m in (1, 2)}
+    for r in res["rows"]:
+        assert r["copies"] * 2 * r["n"] * r["k"] >= 2**20 or r["copies"] == mod.MAX_COPIES
+        for arm in ("matmul", "linear", "fp8"):
+            c = r[arm]
+            assert "error" not in c and c["ms"] > 0
+            assert c["gbps"] == pytest.approx(c["weight_bytes"] / (c["ms"] * 1e-3) / 1e9)
+            assert c["of_read_bw"] == pytest.approx(c["gbps"] / res["read"]["gbps"])
+        assert r["matmul"]["weight_bytes"] == 2 * r["n"] * r["k"]
+        assert r["fp8"]["weight_bytes"] == r["n"] * r["k"] + 4 * r["n"]
+        assert r["matmul"]["rel_err"] < 0.02 and 0 < r["fp8"]["rel_err"] < 0.15  # bf16 out; e4m3
+        assert r["linear_lt"] == {"skipped": "CUDA only"}
+    assert "lm_head" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--ms"):
+        mod.main(["--device", "cpu", "--ms", "0,1", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--preset"):
+        mod.main(["--device", "cpu", "--preset", "no-such-model", "--out-dir", str(tmp_path)])
 
 
 def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Fused pieces of a decoder layer: residual add + RMSNorm, SiLU(gate) x up, q/k RMSNorm + RoPE.
+"""Fused pieces of a decoder layer: residual add + RMSNorm, SiLU(gate) x up, q/k RMSNorm + RoPE
+(+ the paged KV-cache write).
 
 Each piece replaces several elementwise kernels of ``models/decoder.py`` with one launch; each has
 a torch reference that *is* the unfused decoder's maths (the decoder calls the references when it
@@ -13,6 +14,11 @@ runs unfused), and the kernels keep that maths within bf16 rounding:
                    per-head RMSNorm over D (Qwen3; skipped when the weights are None, Llama),
                    rounded, then rotate-half RoPE with the step's cos/sin [T, 1, D]:
                    out[:D/2] = x1 cos1 - x2 sin1, out[D/2:] = x2 cos2 + x1 sin2
+    qk_norm_rope_write  the same, with the paged KV-cache write folded in: returns q only; the
+                   normed + rotated k and the v rows go straight to cache slot ``slot_mapping[t]``
+                   (``kv_cache.write_kv``'s layout; a slot < 0 is a padding row and writes
+                   nothing). The caches hold qkv's dtype, so the write is an exact copy: the cache
+                   ends up bit for bit as ``qk_norm_rope`` + ``write_kv`` leave it
 
 Every program reads one row (one token) with block sizes set by the model's widths
 only, never by T, so a token's output does not depend on the other rows of the step (greedy
@@ -32,7 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from spectune.kernels.kv_cache import check
+from spectune.kernels.kv_cache import check, check_cache, write_kv_ref
 
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_NORM_WIDTH = 16384  # widest row the one-block-per-row norm kernels take
@@ -95,6 +101,27 @@ def qk_norm_rope_ref(
     if q_weight is not None and k_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def qk_norm_rope_write_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope_ref`, then k and v into their paged cache slots as ``write_kv_ref``
+    writes them (rows with slot < 0 write nothing); returns q [T, H, D]."""
+    q, k, v = qk_norm_rope_ref(qkv, cos, sin, q_weight, k_weight, eps, n_heads, n_kv_heads, head_dim)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping.to(torch.int64))
+    return q
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,34 +203,61 @@ def _qk_norm_rope_kernel(
     qw_ptr,  # [D] q norm weight (HAS_NORM only)
     kw_ptr,  # [D] k norm weight (HAS_NORM only)
     q_ptr,  # [T, H, D] contiguous, output
-    k_ptr,  # [T, Hkv, D] contiguous, output
+    k_ptr,  # [T, Hkv, D] contiguous, output (not WRITE_KV)
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] (WRITE_KV only)
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D] (WRITE_KV only)
+    slot_ptr,  # [T] int32/int64 flat cache slot, < 0 = padding (WRITE_KV only)
     # Dimensions
     n_heads,
     n_kv_heads,
     stride_qkv,
     stride_cos,
     stride_sin,
+    block_size,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     eps,
     # Meta-parameters
     HEAD_DIM: tl.constexpr,
-    HEADS_BLOCK: tl.constexpr,  # next power of two >= H + Hkv
+    HEADS_BLOCK: tl.constexpr,  # next power of two >= H + Hkv (+ Hkv with WRITE_KV)
     HALF_BLOCK: tl.constexpr,  # next power of two >= HEAD_DIM / 2
     HAS_NORM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    # one program per token: a [heads, D/2] tile of each half; heads 0..H-1 are q, H.. are k
-    # (k follows q in qkv)
+    # one program per token: a [heads, D/2] tile of each half; heads 0..H-1 are q, H..H+Hkv-1
+    # are k, and with WRITE_KV H+Hkv.. are v (the order of qkv). v rows pass through unchanged.
     row = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     head = tl.arange(0, HEADS_BLOCK)[:, None]  # [HB, 1]
     d = tl.arange(0, HALF_BLOCK)[None, :]  # [1, HALF]
     d_ok = d < half
-    ok = (head < n_heads + n_kv_heads) & d_ok
+    n_rows = n_heads + n_kv_heads
+    if WRITE_KV:
+        n_rows += n_kv_heads
+    ok = (head < n_rows) & d_ok
     q_ok = (head < n_heads) & d_ok  # rows written to q
-    k_ok = ok & (head >= n_heads)  # rows written to k
+    k_ok = ok & (head >= n_heads) & (head < n_heads + n_kv_heads)  # rows written to k
     src = qkv_ptr + row * stride_qkv + head * HEAD_DIM
-    x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)  # [HB, HALF]
-    x2 = tl.load(src + half + d, mask=ok, other=0.0).to(tl.float32)
+    raw1 = tl.load(src + d, mask=ok, other=0.0)  # [HB, HALF], qkv's dtype
+    raw2 = tl.load(src + half + d, mask=ok, other=0.0)
+    if WRITE_KV:
+        # v rows go to the cache as read (the cache holds qkv's dtype); slot -> (block, offset)
+        # as write_kv reads it; a padding row (slot < 0) writes nothing
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if slot >= 0:
+            v_ok = ok & (head >= n_heads + n_kv_heads)
+            v_head = head - n_heads - n_kv_heads
+            v_dst = (v_cache_ptr + (slot // block_size) * stride_vcb
+                     + (slot % block_size) * stride_vcs + v_head * stride_vch)
+            tl.store(v_dst + d, raw1, mask=v_ok)
+            tl.store(v_dst + half + d, raw2, mask=v_ok)
+    x1 = raw1.to(tl.float32)
+    x2 = raw2.to(tl.float32)
     if HAS_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [HB]
         rstd = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
@@ -221,11 +275,20 @@ def _qk_norm_rope_kernel(
     y1 = _round(x1 * c1 - x2 * s1, ROUND_BF16)
     y2 = _round(x2 * c2 + x1 * s2, ROUND_BF16)
     q_dst = q_ptr + (row * n_heads + head) * HEAD_DIM
-    k_dst = k_ptr + (row * n_kv_heads + head - n_heads) * HEAD_DIM
     tl.store(q_dst + d, y1.to(q_ptr.dtype.element_ty), mask=q_ok)
     tl.store(q_dst + half + d, y2.to(q_ptr.dtype.element_ty), mask=q_ok)
-    tl.store(k_dst + d, y1.to(k_ptr.dtype.element_ty), mask=k_ok)
-    tl.store(k_dst + half + d, y2.to(k_ptr.dtype.element_ty), mask=k_ok)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + row).to(tl.int64)  # as above
+        if slot >= 0:
+            k_head = head - n_heads
+            k_dst = (k_cache_ptr + (slot // block_size) * stride_kcb
+                     + (slot % block_size) * stride_kcs + k_head * stride_kch)
+            tl.store(k_dst + d, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(k_dst + half + d, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    else:
+        k_dst = k_ptr + (row * n_kv_heads + head - n_heads) * HEAD_DIM
+        tl.store(k_dst + d, y1.to(k_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(k_dst + half + d, y2.to(k_ptr.dtype.element_ty), mask=k_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,18 +390,19 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qk_norm_rope(
+def _qk_norm_rope_launch(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same as :func:`qk_norm_rope_ref`, one launch (a program per token)."""
+    heads: tuple[int, int, int],  # (H, Hkv, D)
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (k_cache, v_cache, slots)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checks, allocates and launches: (q [T, H, D], k [T, Hkv, D]), or (q, None) when ``cache``
+    is given and k, v go to their slots instead."""
+    n_heads, n_kv_heads, head_dim = heads
     _check_rows("qkv", qkv)
     t = qkv.shape[0]
     width = (n_heads + 2 * n_kv_heads) * head_dim
@@ -354,39 +418,108 @@ def qk_norm_rope(
             c.stride(-1) == 1 and c.device == qkv.device, name, "must be contiguous on qkv's device"
         )
     has_norm = q_weight is not None and k_weight is not None
-    if has_norm:
-        assert q_weight is not None and k_weight is not None
+    if q_weight is not None and k_weight is not None:
         _check_weight("q_weight", q_weight, head_dim, qkv)
         _check_weight("k_weight", k_weight, head_dim, qkv)
     q = torch.empty(t, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(t, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    hkv = n_kv_heads * head_dim
-    v = qkv[:, n_heads * head_dim + hkv :].view(t, n_kv_heads, head_dim)
+    k = None
+    if cache is None:
+        k = torch.empty(t, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
-        return q, k, v
-    qw = q_weight if q_weight is not None else qkv
-    kw = k_weight if k_weight is not None else qkv
-    heads = triton.next_power_of_2(n_heads + n_kv_heads)
+        return q, k
+    k_cache, v_cache, slots = cache if cache is not None else (qkv, qkv, qkv)
+    write = cache is not None
+    rows = n_heads + n_kv_heads + (n_kv_heads if write else 0)  # q, k (, v) rows of the tile
+    block = triton.next_power_of_2(rows)
     half = triton.next_power_of_2(max(head_dim // 2, 16))
     _qk_norm_rope_kernel[(t,)](
         qkv,
         cos,
         sin,
-        qw,
-        kw,
+        q_weight if q_weight is not None else qkv,
+        k_weight if k_weight is not None else qkv,
         q,
-        k,
+        k if k is not None else q,
+        k_cache,
+        v_cache,
+        slots,
         n_heads,
         n_kv_heads,
         qkv.stride(0),
         cos.stride(0),
         sin.stride(0),
+        k_cache.shape[1] if write else 1,
+        *(k_cache.stride()[:3] if write else (0, 0, 0)),
+        *(v_cache.stride()[:3] if write else (0, 0, 0)),
         eps,
         HEAD_DIM=head_dim,
-        HEADS_BLOCK=heads,
+        HEADS_BLOCK=block,
         HALF_BLOCK=half,
         HAS_NORM=has_norm,
+        WRITE_KV=write,
         ROUND_BF16=qkv.dtype == torch.bfloat16,
-        num_warps=4 if heads * half <= 4096 else 8,
+        num_warps=4 if block * half <= 4096 else 8,
     )
+    return q, k
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same as :func:`qk_norm_rope_ref`, one launch (a program per token)."""
+    heads = (n_heads, n_kv_heads, head_dim)
+    q, k = _qk_norm_rope_launch(qkv, cos, sin, q_weight, k_weight, eps, heads, None)
+    assert k is not None
+    t, hkv = qkv.shape[0], n_kv_heads * head_dim
+    v = qkv[:, n_heads * head_dim + hkv :].view(t, n_kv_heads, head_dim)
     return q, k, v
+
+
+def qk_norm_rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], qkv's dtype
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], qkv's dtype
+    slot_mapping: torch.Tensor,  # [T] int32/int64, < 0 = padding
+) -> torch.Tensor:
+    """Same as :func:`qk_norm_rope_write_ref`, one launch (a program per token): returns q; k and
+    v go straight to their cache slots. The caches must hold qkv's dtype (the write is then an
+    exact copy of what :func:`qk_norm_rope` + ``write_kv`` store)."""
+    check_cache(k_cache, v_cache)
+    t = qkv.shape[0]
+    check(
+        k_cache.shape[2:] == (n_kv_heads, head_dim),
+        "k_cache",
+        f"must be [num_blocks, block_size, {n_kv_heads}, {head_dim}], got {tuple(k_cache.shape)}",
+    )
+    check(k_cache.dtype == qkv.dtype, "k_cache", f"dtype {k_cache.dtype} != qkv {qkv.dtype}")
+    check(k_cache.device == qkv.device, "k_cache", f"device {k_cache.device} != qkv {qkv.device}")
+    check(
+        slot_mapping.shape == (t,) and slot_mapping.dtype in (torch.int32, torch.int64),
+        "slot_mapping",
+        f"must be [{t}] int32/int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}",
+    )
+    check(
+        slot_mapping.device == qkv.device,
+        "slot_mapping",
+        f"device {slot_mapping.device} != qkv {qkv.device}",
+    )
+    heads = (n_heads, n_kv_heads, head_dim)
+    cache = (k_cache, v_cache, slot_mapping)
+    q, _ = _qk_norm_rope_launch(qkv, cos, sin, q_weight, k_weight, eps, heads, cache)
+    return q

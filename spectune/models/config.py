@@ -211,17 +211,26 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(N out, K in) of one decoder layer's projection weights, by the decoder's names: fused
+    qkv, o, gate/up, down."""
+    return {
+        "wqkv": ((args.n_heads + 2 * args.n_kv_heads) * args.head_dim, args.dim),
+        "wo": (args.dim, args.n_heads * args.head_dim),
+        "w13": (2 * args.intermediate_size, args.dim),
+        "w2": (args.dim, args.intermediate_size),
+    }
+
+
 def projection_outputs(args: ModelArgs) -> int:
     """Output channels of one decoder layer's projections (fused qkv, o, gate/up, down): the
     per-channel scales an FP8 layer keeps."""
-    return (args.n_heads + 2 * args.n_kv_heads) * args.head_dim + args.dim + 2 * args.intermediate_size + args.dim
+    return sum(n for n, _ in projection_shapes(args).values())
 
 
 def projection_params(args: ModelArgs) -> int:
     """Parameters of one decoder layer's projections (what ``--dtype fp8`` stores in e4m3)."""
-    attn = args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-    attn += args.n_heads * args.head_dim * args.dim
-    return attn + 3 * args.dim * args.intermediate_size
+    return sum(n * k for n, k in projection_shapes(args).values())
 
 
 def norm_params(args: ModelArgs) -> int:

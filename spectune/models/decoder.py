@@ -27,6 +27,7 @@ from spectune.kernels.fused import (
     add_rms_norm_ref,
     qk_norm_rope,
     qk_norm_rope_ref,
+    qk_norm_rope_write,
     rms_norm,
     rms_norm_ref,
     silu_mul,
@@ -35,6 +36,7 @@ from spectune.kernels.fused import (
 )
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import ModelArgs
+from spectune.models.paged import PagedTritonAttention
 
 Device = torch.device | str | None
 
@@ -60,22 +62,40 @@ class Fp8Linear(nn.Module):
 
 @dataclass(frozen=True)
 class LayerOps:
-    """The elementwise pieces of a layer: the torch references or the fused Triton kernels."""
+    """The elementwise pieces of a layer: the torch references or the fused Triton kernels.
+
+    ``qk_norm_rope_write`` (None: not used) is q/k-norm + RoPE with the paged KV-cache write in the
+    same kernel; a layer uses it only where it is exact (``Attention.forward``), else
+    ``qk_norm_rope`` and the backend's own write."""
 
     rms_norm: Callable[..., Tensor]
     add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
     silu_mul: Callable[[Tensor], Tensor]
     qk_norm_rope: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    qk_norm_rope_write: Callable[..., Tensor] | None = None
 
 
 REFERENCE_OPS = LayerOps(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, qk_norm_rope_ref)
-FUSED_OPS = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_rope)
+FUSED_OPS = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_rope, qk_norm_rope_write)
+FUSED_OPS_SEPARATE_WRITE = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_rope)
 
 
-def layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps:
+def layer_ops(device: torch.device, dtype: torch.dtype, kv_write: bool = True) -> LayerOps:
     """The fused kernels where Triton runs (CUDA, or CPU under ``TRITON_INTERPRET=1``) and takes
-    the dtype (bf16, fp32), else the references (the same maths, unfused)."""
-    return FUSED_OPS if triton_runs(device) and dtype in FUSED_DTYPES else REFERENCE_OPS
+    the dtype (bf16, fp32), else the references (the same maths, unfused). ``kv_write``: the
+    KV-cache write folded into the q/k-norm + RoPE kernel (False: the backend writes, a kernel
+    of its own)."""
+    if not (triton_runs(device) and dtype in FUSED_DTYPES):
+        return REFERENCE_OPS
+    return FUSED_OPS if kv_write else FUSED_OPS_SEPARATE_WRITE
+
+
+def writes_in_kernel(backend: AttentionBackend, dtype: torch.dtype) -> bool:
+    """Whether ``LayerOps.qk_norm_rope_write`` may write ``backend``'s cache: it is the paged
+    Triton cache and holds the activations' dtype (the write is then an exact copy, the cache bit
+    for bit what the backend's own write leaves). Dense torch caches and a cache of another dtype
+    keep the backend's write."""
+    return isinstance(backend, PagedTritonAttention) and backend.dtype == dtype
 
 
 Weight = nn.Parameter | Fp8Linear
@@ -128,9 +148,16 @@ class Attention(nn.Module):
         qw = self.q_norm.weight if self.q_norm is not None else None
         kw = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        q, k, v = (ops or REFERENCE_OPS).qk_norm_rope(qkv, *rope, qw, kw, eps, self.n_heads,
-                                                      self.n_kv_heads, self.head_dim)
-        o = backend(layer, q, k, v, meta)  # [T, H, D]
+        heads = (self.n_heads, self.n_kv_heads, self.head_dim)
+        ops = ops or REFERENCE_OPS
+        if ops.qk_norm_rope_write is not None and writes_in_kernel(backend, qkv.dtype):
+            paged = cast(PagedTritonAttention, backend)
+            meta, k_cache, v_cache, slots = paged.write_target(layer, meta, t)
+            q = ops.qk_norm_rope_write(qkv, *rope, qw, kw, eps, *heads, k_cache, v_cache, slots)
+            o = paged.attend(layer, q, meta)  # [T, H, D]
+        else:
+            q, k, v = ops.qk_norm_rope(qkv, *rope, qw, kw, eps, *heads)
+            o = backend(layer, q, k, v, meta)  # [T, H, D]
         return linear(o.reshape(t, self.n_heads * self.head_dim), self.wo)
 
 
@@ -160,18 +187,20 @@ class DecoderLayer(nn.Module):
 
 
 def run_layers(layers: Sequence[DecoderLayer], x: Tensor, rope: tuple[Tensor, Tensor], meta: AttnMeta,
-               backend: AttentionBackend, norm: RMSNorm, fused: bool) -> tuple[Tensor, Tensor]:
+               backend: AttentionBackend, norm: RMSNorm, fused: bool,
+               kv_write: bool = True) -> tuple[Tensor, Tensor]:
     """x [T, dim] through ``layers`` -> (residual stream after the last layer, ``norm`` of it).
 
     Unfused: each layer as ``DecoderLayer.forward`` reads, then the norm. Fused: the residual is
     carried beside the normalised input, so each residual add is one kernel with the norm after
-    it (the last one with ``norm``), and q/k-norm + RoPE and SiLU x mul are one kernel each; the
-    references stand in where Triton cannot run (CPU without its interpreter)."""
+    it (the last one with ``norm``), and q/k-norm + RoPE and SiLU x mul are one kernel each, the
+    KV-cache write inside the q/k-norm + RoPE kernel where ``kv_write`` and ``writes_in_kernel``
+    allow; the references stand in where Triton cannot run (CPU without its interpreter)."""
     if not fused or not layers:
         for i, layer in enumerate(layers):
             x = layer(x, rope, meta, backend, i)
         return x, norm(x)
-    ops = layer_ops(x.device, x.dtype)
+    ops = layer_ops(x.device, x.dtype, kv_write)
     residual, h = x, ops.rms_norm(x, layers[0].attn_norm.weight, layers[0].attn_norm.eps)
     for i, layer in enumerate(layers):
         a = layer.attn(h, rope, meta, backend, i, ops)
@@ -223,6 +252,7 @@ class Transformer(nn.Module):
         self.args = args
         self.backend = backend
         self.fused = fused  # run_layers with the fused kernels
+        self.kv_write = True  # fused: the KV-cache write inside the q/k-norm + RoPE kernel
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
@@ -251,6 +281,7 @@ class Transformer(nn.Module):
             raise RuntimeError("Transformer has no attention backend; assign model.backend first")
         x = F.embedding(input_ids, self.embed)  # [T, dim]
         rope = self.rotary(positions, x.dtype)
-        _, hidden = run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend, self.norm, self.fused)
+        _, hidden = run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend, self.norm,
+                               self.fused, self.kv_write)
         logits = F.linear(hidden, self.head_weight)
         return (logits, hidden) if return_hidden else logits

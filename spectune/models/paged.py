@@ -5,7 +5,8 @@ verification attention (``spectune.kernels``).
 into layer ``layer``'s cache at ``meta.slot_mapping`` (derived from the block tables when absent)
 and attends over each request's blocks. ``meta.block_tables`` falls back to the tables of the last
 ``allocate`` (drafters build their own per-step meta without tables). Every step is device work
-with static shapes, so the model forward can be captured in a CUDA graph.
+with static shapes, so the model forward can be captured in a CUDA graph. A fused decoder layer
+that writes the cache in its own kernel calls ``write_target`` then ``attend`` instead.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class PagedTritonAttention:
                                              total, self.block_size)
         return meta
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttnMeta) -> Tensor:
-        # q: [T, H, D]; k, v: [T, Hkv, D]
+    def write_target(self, layer: int, meta: AttnMeta, num_tokens: int) -> tuple[AttnMeta, Tensor, Tensor, Tensor]:
+        """Where this step's K/V rows go: (meta with block tables, k_cache, v_cache, slots [T]).
+        A kernel that writes the cache itself (``kernels.fused.qk_norm_rope_write``) takes these,
+        then :meth:`attend`; ``__call__`` is the same with ``write_kv`` between them."""
         if self.released:
             raise RuntimeError("attention cache was released: a newer step replaced it")
         tables = meta.block_tables
@@ -112,16 +115,26 @@ class PagedTritonAttention:
             if batch > self.block_tables.shape[0]:
                 raise KernelInputError("meta", f"{batch} requests, tables allocated for {self.block_tables.shape[0]}")
             tables = self.block_tables[:batch]  # the first requests' tables (a smaller step)
-        if meta.block_tables is None:
             meta = dataclasses.replace(meta, block_tables=tables)
         slots = meta.slot_mapping
         if slots is None:
-            if layer == 0 or self._slots is None or self._slots.shape[0] != q.shape[0]:
+            if layer == 0 or self._slots is None or self._slots.shape[0] != num_tokens:
                 self._slots = slot_mapping_for(tables, meta.context_lens,
-                                               meta.cu_seqlens_q, q.shape[0], self.block_size)
+                                               meta.cu_seqlens_q, num_tokens, self.block_size)
             slots = self._slots
         k_cache, v_cache = self.kv(layer)
-        write_kv(k, v, k_cache, v_cache, slots)
+        return meta, k_cache, v_cache, slots
+
+    def attend(self, layer: int, q: Tensor, meta: AttnMeta) -> Tensor:
+        """q [T, H, D] over layer ``layer``'s cache, which already holds this step's K/V rows
+        (``meta`` as :meth:`write_target` returned it)."""
+        k_cache, v_cache = self.kv(layer)
         out = verify_attention(q.to(self.dtype), k_cache, v_cache, meta, num_splits=self.num_splits,
                                config=self.config, sm_scale=self.scale, causal=self.causal)
         return out.to(q.dtype)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttnMeta) -> Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D]
+        meta, k_cache, v_cache, slots = self.write_target(layer, meta, q.shape[0])
+        write_kv(k, v, k_cache, v_cache, slots)
+        return self.attend(layer, q, meta)

@@ -13,12 +13,14 @@ from spectune.kernels.fused import (
     add_rms_norm_ref,
     qk_norm_rope,
     qk_norm_rope_ref,
+    qk_norm_rope_write,
+    qk_norm_rope_write_ref,
     rms_norm,
     rms_norm_ref,
     silu_mul,
     silu_mul_ref,
 )
-from spectune.kernels.kv_cache import KernelInputError
+from spectune.kernels.kv_cache import PAD_SLOT, KernelInputError, write_kv_ref
 from spectune.models.decoder import Rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: Triton's interpreter on CPU
@@ -39,6 +41,10 @@ def rand(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torc
 
 def dev(x: torch.Tensor) -> torch.Tensor:
     return x.to(DEVICE)
+
+
+def on_dev(*xs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(x if x is None else dev(x) for x in xs)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -127,23 +133,102 @@ def test_qk_norm_rope_matches_reference(t, heads, qk_norm, dtype):
     kw = rand(d, seed=d + 1, dtype=dtype) if qk_norm else None
     cos, sin = rope_for(t, d, dtype, seed=t)
     q_ref, k_ref, v_ref = qk_norm_rope_ref(qkv, cos, sin, qw, kw, 1e-6, h, hkv, d)
-    q, k, v = qk_norm_rope(
-        dev(qkv),
-        dev(cos),
-        dev(sin),
-        qw if qw is None else dev(qw),
-        kw if kw is None else dev(kw),
-        1e-6,
-        h,
-        hkv,
-        d,
-    )
+    q, k, v = qk_norm_rope(*on_dev(qkv, cos, sin, qw, kw), 1e-6, h, hkv, d)
     assert (
         q.is_contiguous() and k.is_contiguous() and q.shape == (t, h, d) and k.shape == (t, hkv, d)
     )
     close(q, q_ref, dtype)
     close(k, k_ref, dtype)
     assert torch.equal(v.cpu(), v_ref)
+
+
+def paged_case(
+    t: int, hkv: int, d: int, dtype: torch.dtype, seed: int, *, block_size: int = 4, pads: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches [num_blocks, block_size, Hkv, D] (never zeros) and slots [T]: distinct
+    slots scattered over the pool, the last ``pads`` rows padding (PAD_SLOT)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-2 * t // block_size) + 1
+    shape = (num_blocks, block_size, hkv, d)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[t - pads :] = PAD_SLOT
+    return k_cache, v_cache, slots
+
+
+# (T, heads, padding rows): the tiny preset, qwen3-8b / llama-3.1-8b (32q / 8kv heads of 128),
+# an odd head layout; steps with and without padding rows
+WRITE_CASES = [
+    (1, HEADS[0], 0),
+    (7, HEADS[0], 2),
+    (64, HEADS[0], 5),
+    (1, HEADS[1], 0),
+    (5, HEADS[1], 1),
+    (9, HEADS[2], 3),
+]
+
+
+@pytest.mark.parametrize("t, heads, pads", WRITE_CASES)
+@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3 / Llama
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_qk_norm_rope_write_matches_reference(t, heads, pads, qk_norm, dtype, slot_dtype):
+    h, hkv, d = heads
+    qkv = rand(t, (h + 2 * hkv) * d, seed=3 * t + d, dtype=dtype, scale=2.0)
+    qw = rand(d, seed=d + 5, dtype=dtype) if qk_norm else None
+    kw = rand(d, seed=d + 6, dtype=dtype) if qk_norm else None
+    cos, sin = rope_for(t, d, dtype, seed=t + 1)
+    k_cache, v_cache, slots = paged_case(t, hkv, d, dtype, seed=t + h, pads=pads)
+    slots = slots.to(slot_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref = qk_norm_rope_write_ref(qkv, cos, sin, qw, kw, 1e-6, h, hkv, d, k_ref, v_ref, slots)
+    kc, vc = dev(k_cache), dev(v_cache)
+    q = qk_norm_rope_write(*on_dev(qkv, cos, sin, qw, kw), 1e-6, h, hkv, d, kc, vc, dev(slots))
+    assert q.is_contiguous() and q.shape == (t, h, d)
+    close(q, q_ref, dtype)
+    close(kc, k_ref, dtype)
+    assert torch.equal(vc.cpu(), v_ref)  # v is copied, not computed
+    # slots no row names keep their old contents (padding rows write nowhere)
+    written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    written[slots[slots >= 0].long()] = True
+    untouched = ~written.view(k_cache.shape[:2])
+    assert torch.equal(kc.cpu()[untouched], k_cache[untouched])
+    assert torch.equal(vc.cpu()[untouched], v_cache[untouched])
+    # the cache is bit for bit what the separate kernel + cache write leave (decoder exactness)
+    q_sep, k_sep, v_sep = qk_norm_rope(*on_dev(qkv, cos, sin, qw, kw), 1e-6, h, hkv, d)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    write_kv_ref(k_sep.cpu(), v_sep.cpu(), k_two, v_two, slots.long())
+    assert torch.equal(q.cpu(), q_sep.cpu())
+    assert torch.equal(kc.cpu(), k_two) and torch.equal(vc.cpu(), v_two)
+
+
+def test_qk_norm_rope_write_hand_computed():
+    # one token, H = Hkv = 1, D = 32, a quarter turn, no norm: k -> [-y2, y1] at slot 6 of
+    # blocks of 4 (block 1, offset 2); v copied there; every other slot untouched
+    d = 32
+    qkv = torch.arange(3 * d, dtype=torch.float32)[None] + 1.0
+    angle = torch.full((1, 1, d), math.pi / 2)
+    k_cache, v_cache = torch.full((3, 4, 1, d), -7.0), torch.full((3, 4, 1, d), -7.0)
+    kc, vc = dev(k_cache), dev(v_cache)
+    slots = dev(torch.tensor([6]))
+    q = qk_norm_rope_write(
+        dev(qkv), dev(angle.cos()), dev(angle.sin()), None, None, 1e-6, 1, 1, d, kc, vc, slots
+    )
+    x1, x2 = qkv[0, :d].chunk(2)
+    y1, y2 = qkv[0, d : 2 * d].chunk(2)
+    torch.testing.assert_close(q.cpu()[0, 0], torch.cat([-x2, x1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(kc.cpu()[1, 2, 0], torch.cat([-y2, y1]), atol=1e-5, rtol=0)
+    assert torch.equal(vc.cpu()[1, 2, 0], qkv[0, 2 * d :])
+    rest = torch.ones(3, 4, dtype=torch.bool)
+    rest[1, 2] = False
+    assert (kc.cpu()[rest] == -7.0).all() and (vc.cpu()[rest] == -7.0).all()
+    # the same token as padding: nothing written, q still computed
+    k2, v2 = dev(k_cache.clone()), dev(v_cache.clone())
+    pad = dev(torch.tensor([PAD_SLOT]))
+    q2 = qk_norm_rope_write(*on_dev(qkv, angle.cos(), angle.sin()), None, None, 1e-6, 1, 1, d, k2, v2, pad)
+    assert torch.equal(q2.cpu(), q.cpu())
+    assert torch.equal(k2.cpu(), k_cache) and torch.equal(v2.cpu(), v_cache)
 
 
 def test_rope_hand_computed():
@@ -210,3 +295,16 @@ def test_bad_inputs_name_the_argument():
             1,
             32,
         )
+    qkv, cs = dev(torch.zeros(2, 96)), dev(torch.ones(2, 1, 32))
+    cache = dev(torch.zeros(2, 4, 1, 32))
+    slots = dev(torch.tensor([0, 1]))
+    with pytest.raises(KernelInputError, match="^k_cache:"):
+        qk_norm_rope_write(qkv, cs, cs, None, None, 1e-6, 1, 1, 32, cache.bfloat16(), cache.bfloat16(), slots)
+    with pytest.raises(KernelInputError, match="^k_cache:"):
+        qk_norm_rope_write(qkv, cs, cs, None, None, 1e-6, 1, 1, 32, cache[..., :16], cache[..., :16], slots)
+    with pytest.raises(KernelInputError, match="^v_cache:"):
+        qk_norm_rope_write(qkv, cs, cs, None, None, 1e-6, 1, 1, 32, cache, cache[:1], slots)
+    with pytest.raises(KernelInputError, match="^slot_mapping:"):
+        qk_norm_rope_write(qkv, cs, cs, None, None, 1e-6, 1, 1, 32, cache, cache.clone(), slots[:1])
+    with pytest.raises(KernelInputError, match="^slot_mapping:"):
+        qk_norm_rope_write(qkv, cs, cs, None, None, 1e-6, 1, 1, 32, cache, cache.clone(), slots.float())

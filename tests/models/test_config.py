@@ -20,6 +20,8 @@ from spectune.models.config import (
     parse_drafter,
     parse_dtype,
     projection_outputs,
+    projection_params,
+    projection_shapes,
     resolve_target,
     weight_bytes,
     weight_read_bytes,
@@ -199,3 +201,12 @@ def test_dtype_names_are_the_table_choices():
     assert parse_dtype("float32") == (torch.float32, False)
     with pytest.raises(ModelError, match="dtype"):
         parse_dtype("int4")
+
+
+def test_projection_shapes_of_qwen3_8b_by_hand():
+    # hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288
+    shapes = projection_shapes(resolve_target("qwen3-8b"))
+    assert shapes == {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (24576, 4096), "w2": (4096, 12288)}
+    args = resolve_target("qwen3-8b")
+    assert projection_outputs(args) == 6144 + 4096 + 24576 + 4096
+    assert projection_params(args) == 4096 * (6144 + 4096 + 24576) + 12288 * 4096

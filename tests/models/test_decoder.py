@@ -9,8 +9,10 @@ from spectune.models.attention import DenseTorchAttention
 from spectune.models.config import ModelArgs
 from spectune.models.decoder import PROJECTIONS, Fp8Linear, Transformer, quantize_linears_
 from spectune.models.drafters import BlockDrafter, EagleDrafter, greedy_confidence
+from spectune.models.paged import PagedTritonAttention
 
 TINY = ModelArgs.from_name("tiny")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # paged Triton tests: the interpreter on CPU
 
 
 def build(dtype=torch.float64, seed=0, **kw):
@@ -216,6 +218,82 @@ def test_fused_layers_track_the_unfused_decoder(dtype, qk_norm):
         assert torch.equal(f_logits[:6].argmax(-1), logits[:6].argmax(-1))
 
 
+def paged_greedy(model, dtype, steps, *, kv_write=True):
+    """Greedy decoding over a paged Triton cache (the same random context and block tables for
+    every model): step 0 verifies q_lens [2, 1, 3] plus 2 padding rows, then one token per request
+    per step, 1 padding row. Returns (logits of each step, tokens [steps, 3], the backend)."""
+    torch.manual_seed(11)  # the cache's random context
+    backend = PagedTritonAttention(TINY.n_layers, 16, 4, TINY.n_kv_heads, TINY.head_dim, dtype,
+                                   DEVICE)
+    tables = backend.allocate(3, 8, 3 + steps, generator=torch.Generator().manual_seed(12))
+    model.to(DEVICE)
+    model.backend, model.kv_write = backend, kv_write
+    q_lens, ctx = [2, 1, 3], [8, 3, 5]
+    ids = torch.randint(1, TINY.vocab_size, (8,), generator=torch.Generator().manual_seed(13))
+    ids = ids.to(DEVICE)
+    logits, tokens = [], []
+    for _ in range(steps):
+        meta = backend.meta_for(tables, q_lens, ctx, num_tokens=ids.shape[0])
+        pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens, strict=True)])
+        pos = torch.cat([pos, torch.zeros(ids.shape[0] - pos.shape[0], dtype=torch.long)])
+        out = model(ids, pos.to(DEVICE), meta).cpu()
+        last = torch.tensor(q_lens).cumsum(0) - 1  # each request's last real row
+        nxt = out[last].argmax(-1)
+        logits.append(out[: sum(q_lens)])
+        tokens.append(nxt)
+        ctx = [c + q for c, q in zip(ctx, q_lens, strict=True)]
+        q_lens = [1, 1, 1]
+        ids = torch.cat([nxt, torch.tensor([1])]).to(DEVICE)  # one padding row
+    return logits, torch.stack(tokens), backend
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3 / Llama
+def test_fused_cache_write_decodes_what_the_unfused_decoder_does(dtype, qk_norm, monkeypatch):
+    # paged Triton attention: the fused decoder with the KV-cache write inside the q/k-norm + RoPE
+    # kernel, the fused decoder with the separate write, and the unfused decoder
+    from spectune.models import paged
+
+    args = dataclasses.replace(TINY, qk_norm=qk_norm)
+    plain, fused = fused_pair(dtype, args)
+    separate_writes = []  # the backend's own write_kv calls, one per layer and step
+    real_write = paged.write_kv
+    monkeypatch.setattr(paged, "write_kv", lambda *a: separate_writes.append(1) or real_write(*a))
+    ref_logits, ref_tokens, ref_cache = paged_greedy(plain, dtype, 3)
+    sep_logits, sep_tokens, sep_cache = paged_greedy(fused, dtype, 3, kv_write=False)
+    assert len(separate_writes) == 2 * 3 * TINY.n_layers
+    new_logits, new_tokens, new_cache = paged_greedy(fused, dtype, 3)
+    assert len(separate_writes) == 2 * 3 * TINY.n_layers  # none: the kernel wrote the cache
+    # the folded write is an exact copy of the separate one: bit for bit the same step
+    for a, b in zip(new_logits, sep_logits, strict=True):
+        assert torch.equal(a, b)
+    for layer in range(TINY.n_layers):
+        assert torch.equal(new_cache.kv(layer)[0], sep_cache.kv(layer)[0])
+        assert torch.equal(new_cache.kv(layer)[1], sep_cache.kv(layer)[1])
+    # and the unfused decoder's within rounding, its greedy tokens where fp32 holds them
+    tol = {"atol": 0.1, "rtol": 0.05} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    for a, b in zip(new_logits, ref_logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    if dtype == torch.float32:
+        assert torch.equal(new_tokens, ref_tokens)
+    # the padding rows wrote into no request's slot: the caches agree with the unfused decoder's
+    # (written through write_kv) everywhere, within the rounding of k
+    for layer in range(TINY.n_layers):
+        torch.testing.assert_close(new_cache.kv(layer)[1].float(), ref_cache.kv(layer)[1].float(), **tol)
+        torch.testing.assert_close(new_cache.kv(layer)[0].float(), ref_cache.kv(layer)[0].float(), **tol)
+
+
+def test_fused_cache_write_only_where_it_is_exact():
+    from spectune.models import decoder
+
+    # a dense torch cache, or a paged cache of another dtype than the activations: the separate write
+    assert not decoder.writes_in_kernel(fresh_cache(1, 1, 4, 1), torch.float64)
+    assert not decoder.writes_in_kernel(PagedTritonAttention(1, 1, 4, 2, 32, torch.float32), torch.bfloat16)
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16).qk_norm_rope_write is not None
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16, kv_write=False).qk_norm_rope_write is None
+    assert decoder.REFERENCE_OPS.qk_norm_rope_write is None  # the unfused decoder writes as before
+
+
 def test_fused_layers_fall_back_to_the_references_without_triton(monkeypatch):
     # CPU without TRITON_INTERPRET: the fused structure with the references, the same maths
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -233,7 +311,8 @@ def test_fused_layers_fall_back_to_the_references_without_triton(monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [EagleDrafter, BlockDrafter])
-def test_fused_drafter_proposes_what_the_unfused_one_does(cls):
+@pytest.mark.parametrize("paged", [False, True])  # dense torch cache; paged (the cache write folded in)
+def test_fused_drafter_proposes_what_the_unfused_one_does(cls, paged):
     g = torch.Generator().manual_seed(2)
     plain = cls(TINY, 2, dtype=torch.float32, generator=g)
     fused = cls(TINY, 2, dtype=torch.float32, fused=True)
@@ -241,10 +320,23 @@ def test_fused_drafter_proposes_what_the_unfused_one_does(cls):
     causal = cls is EagleDrafter
     hidden, last = drafter_inputs(3)
     ctx = torch.tensor([4, 7, 2], dtype=torch.int32)
+    device = DEVICE if paged else "cpu"
+    hidden, last, ctx = hidden.float().to(device), last.to(device), ctx.to(device)
     out = []
     for d in (plain, fused):
-        d.backend = fresh_cache(2, 3, 12, 1 if causal else 3, dtype=torch.float32, causal=causal)
-        d.backend.randomize_(torch.Generator().manual_seed(4))
-        out.append(d.propose(hidden.float(), last, 3, context_lens=ctx))
+        if paged:  # meta without block tables: the drafters' own per-step meta
+            torch.manual_seed(4)
+            d.to(device)
+            d.backend = PagedTritonAttention(2, 12, 4, TINY.n_kv_heads, TINY.head_dim,
+                                             torch.float32, device, causal=causal)
+            d.backend.allocate(3, 8, 3, generator=torch.Generator().manual_seed(5))
+        else:
+            d.backend = fresh_cache(2, 3, 12, 1 if causal else 3, dtype=torch.float32, causal=causal)
+            d.backend.randomize_(torch.Generator().manual_seed(4))
+        out.append(d.propose(hidden, last, 3, context_lens=ctx))
     assert torch.equal(out[0][0], out[1][0])
     torch.testing.assert_close(out[1][1], out[0][1], atol=1e-5, rtol=1e-5)
+    if paged:
+        for layer in range(2):
+            for a, b in zip(fused.backend.kv(layer), plain.backend.kv(layer), strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,231 @@
+"""The target's GEMMs at decode sizes (M = 1..64 rows) against what cuBLAS / cuBLASLt offer.
+
+For each weight of one decoder layer of the target (default qwen3-8b; (N, K) from
+``models.config.projection_shapes``: wqkv, wo, w13, w2) and the lm_head [vocab, dim], and each M,
+x [M, K] bf16 times the weight [N, K] transposed, several ways:
+
+  matmul     ``torch.matmul(x, w.t())`` (cuBLAS, torch's default BLAS library)
+  linear     ``F.linear(x, w)`` (what the decoder calls)
+  linear_lt  ``F.linear`` under ``torch.backends.cuda.preferred_blas_library("cublaslt")``
+  fp8        ``torch._scaled_mm`` on e4m3 x [M, K] and w [N, K] with a scale per row of x and per
+             output channel of w, bf16 out: the GEMM alone, inputs quantised beforehand; only
+             where it runs (CUDA, capability >= 8.9, K and N multiples of 16), else skipped
+
+A decode step reads each weight once from HBM; a weight smaller than the GPU's L2 timed alone
+would be read from L2 instead. So one timed run multiplies ``copies`` distinct weights in turn
+(their bytes together >= ``--flush-mib``) and the time per GEMM is the run's over ``copies``.
+Timing is the profiler's (``autotune.timing.default_timer``: a FULL CUDA graph of the run,
+replays timed with CUDA events, median; wall-clock eager runs on CPU). Beside each time: the
+weight bytes one GEMM reads (bf16: 2 N K; fp8: N K + 4 N scale bytes) over that time, and that as a
+fraction of the read bandwidth measured in the same run (one sum over ``--read-mib``).
+Correctness first: every arm's output against a float32 product of the same inputs (relative
+error of the max-norm).
+
+Prints a table; writes ``gemm_check.json`` under ``--out-dir`` (default $OUT, else
+benchmarks/results/).
+
+    python benchmarks/gemm_check.py                                   # one H200: ~1 minute
+    python benchmarks/gemm_check.py --device cpu --preset tiny --ms 1,2 --flush-mib 1 --read-mib 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from spectune.autotune.hardware import software_facts
+from spectune.autotune.timing import Timer, default_timer, free_device_memory
+from spectune.io import atomic_write_text
+from spectune.kernels.fp8 import quantize_rows, quantize_weight, scaled_mm_ok
+from spectune.models.build import StepFn
+from spectune.models.config import ModelArgs, ModelError, projection_shapes, resolve_target
+
+DEFAULT_MS = "1,2,4,8,16,32,64"
+ARMS = ("matmul", "linear", "linear_lt", "fp8")
+MAX_COPIES = 64
+GB = 1e9
+
+
+def say(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def gemm_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(N, K) of the decoder layer's weights and the lm_head."""
+    return {**projection_shapes(args), "lm_head": (args.vocab_size, args.dim)}
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """torch's preferred BLAS library set to ``name`` inside (None: left as it is)."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def read_bandwidth(timer: Timer, device: torch.device, mib: int) -> dict[str, Any]:
+    """GB/s of one read of ``mib`` MiB (a float32-accumulated sum of bf16)."""
+    src = torch.empty(mib * 2**20 // 2, dtype=torch.bfloat16, device=device).normal_()
+    step = StepFn(run=lambda: src.sum(dtype=torch.float32), refresh=lambda: None,
+                  tokens=src.numel(), batch=1, label=f"sum {mib} MiB")
+    t = timer(step)
+    return {"bytes": src.numel() * 2, "ms": t.median_ms,
+            "gbps": src.numel() * 2 / (t.median_ms * 1e-3) / GB, "mode": t.mode}
+
+
+def arms_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Any]:
+    """Each arm: (run over all copies, output of the first copy, weight bytes per GEMM, BLAS
+    library) or the reason it is skipped."""
+    n, k = weights[0].shape
+    cuda = x.device.type == "cuda"
+    arms: dict[str, Any] = {
+        "matmul": (lambda: [torch.matmul(x, w.t()) for w in weights], 2 * n * k, None),
+        "linear": (lambda: [F.linear(x, w) for w in weights], 2 * n * k, None),
+        "linear_lt": (lambda: [F.linear(x, w) for w in weights], 2 * n * k, "cublaslt")
+        if cuda else "CUDA only",
+    }
+    if not scaled_mm_ok(x, weights[0]):  # (by the shape and the device only)
+        arms["fp8"] = "torch._scaled_mm does not run here (CUDA, capability >= 8.9, K, N % 16)"
+        return arms
+    q_x, s_x = quantize_rows(x)  # [M, K] e4m3, [M, 1] float32
+    q_ws = [quantize_weight(w) for w in weights]  # ([N, K] e4m3, [N] float32) each
+
+    def fp8() -> list[torch.Tensor]:
+        return [torch._scaled_mm(q_x, q.t(), scale_a=s_x, scale_b=s.view(1, -1),
+                                 out_dtype=torch.bfloat16) for q, s in q_ws]
+
+    arms["fp8"] = (fp8, n * k + 4 * n, None)
+    return arms
+
+
+def check_shape(
+    timer: Timer, device: torch.device, name: str, n: int, k: int, ms: list[int],
+    flush_bytes: int, read_gbps: float, gen: torch.Generator,
+) -> list[dict[str, Any]]:
+    copies = max(1, min(MAX_COPIES, math.ceil(flush_bytes / (2 * n * k))))
+    weights = [torch.randn(n, k, device=device, generator=gen).div_(k**0.5).to(torch.bfloat16)
+               for _ in range(copies)]  # [N, K] each
+    rows = []
+    for m in ms:
+        row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "copies": copies}
+        x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)  # [M, K]
+        want = x.float() @ weights[0].float().t()  # [M, N]
+        for arm, spec in arms_for(x, weights).items():
+            if isinstance(spec, str):
+                row[arm] = {"skipped": spec}
+                continue
+            run, nbytes, lib = spec
+            cell: dict[str, Any] = {"weight_bytes": nbytes}
+            try:
+                with blas_library(lib):
+                    got = run()[0].float()
+                    cell["rel_err"] = float((got - want).abs().max() / want.abs().max())
+                    step = StepFn(run=run, refresh=lambda: None, tokens=m, batch=1,
+                                  label=f"gemm {name} m={m} {arm}")
+                    t = timer(step)
+                ms_one = t.median_ms / copies
+                gbps = nbytes / (ms_one * 1e-3) / GB
+                cell.update(ms=ms_one, gbps=gbps, of_read_bw=gbps / read_gbps, mode=t.mode)
+            except Exception as exc:  # one bad point must not end the run
+                cell["error"] = first_line(exc)
+            row[arm] = cell
+        rows.append(row)
+    del weights
+    free_device_memory()
+    return rows
+
+
+def print_table(result: dict[str, Any]) -> None:
+    say(f"\n{result['target']} bf16 GEMMs on {result['gpu']}: us per GEMM (GB/s of its weight "
+        f"bytes); read bandwidth {result['read']['gbps']:.0f} GB/s")
+    say(f"{'shape':<8} {'N x K':>13} {'M':>3} " + " ".join(f"{a:>17}" for a in ARMS))
+    for r in result["rows"]:
+        cells = []
+        for arm in ARMS:
+            c = r.get(arm, {})
+            cells.append(f"{c['ms'] * 1e3:8.1f} ({c['gbps']:5.0f})" if "ms" in c
+                         else ("-" if "skipped" in c else "error"))
+        say(f"{r['shape']:<8} {r['n']:>6}x{r['k']:<6} {r['m']:>3} "
+            + " ".join(f"{c:>17}" for c in cells))
+
+
+def parse_ms(text: str) -> list[int]:
+    try:
+        ms = sorted({int(m) for m in text.split(",") if m.strip()})
+    except ValueError:
+        raise SystemExit(f"--ms: cannot read {text!r} (e.g. 1,2,4,8)") from None
+    if not ms or ms[0] < 1:
+        raise SystemExit("--ms: row counts must be >= 1")
+    return ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-8b", help="target preset (default qwen3-8b)")
+    ap.add_argument("--ms", default=DEFAULT_MS, help=f"rows M of x (default {DEFAULT_MS})")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--flush-mib", type=int, default=512,
+                    help="distinct weights' bytes one timed run reads at least (past the L2)")
+    ap.add_argument("--read-mib", type=int, default=1024, help="buffer of the read-bandwidth sum")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    args = ap.parse_args(argv)
+    ms = parse_ms(args.ms)
+    for flag, value in (("--flush-mib", args.flush_mib), ("--read-mib", args.read_mib)):
+        if value < 1:
+            raise SystemExit(f"{flag}: must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device present")
+    try:
+        target = resolve_target(args.preset)
+    except ModelError as exc:
+        raise SystemExit(f"--preset: {exc}") from None
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    sw = software_facts()
+    timer = default_timer(device)
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "software": {"torch": sw.torch, "triton": sw.triton, "cuda": sw.cuda, "spectune": sw.spectune},
+        "target": target.name, "ms": ms, "flush_mib": args.flush_mib,
+        "read": read_bandwidth(timer, device, args.read_mib), "rows": [],
+    }
+    say(f"{result['gpu']}: torch {sw.torch}; {target.name}, M {ms}; read "
+        f"{result['read']['gbps']:.0f} GB/s")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, (n, k) in gemm_shapes(target).items():
+        say(f"  {name} [{n}, {k}]")
+        result["rows"] += check_shape(timer, device, name, n, k, ms, args.flush_mib * 2**20,
+                                      result["read"]["gbps"], gen)
+    result["wall_s"] = time.perf_counter() - started
+    print_table(result)
+    path = out / "gemm_check.json"
+    atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
+    say(f"\n{result['wall_s']:.0f} s; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
