@@ -252,7 +252,9 @@ class Transformer(nn.Module):
         self.args = args
         self.backend = backend
         self.fused = fused  # run_layers with the fused kernels
-        self.kv_write = True  # fused: the KV-cache write inside the q/k-norm + RoPE kernel
+        # fused: the KV-cache write inside the q/k-norm + RoPE kernel; off until measured on a GPU
+        # (benchmarks/fused_step.py's fused_kv arm turns it on), so ``--fused`` runs the measured path
+        self.kv_write = False
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
