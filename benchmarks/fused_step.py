@@ -9,7 +9,7 @@ tokens of KV per request) is timed at q = 1 for each batch size with the profile
   fused     the same weights with ``model.fused = True`` and ``model.kv_write = False``: residual
             + RMSNorm, q/k-norm + RoPE and SiLU x mul one kernel each, the paged KV-cache write
             a kernel of its own (``kernels.kv_cache.write_kv``)
-  fused_kv  ``model.kv_write = True`` (off by default until this arm is measured): the KV-cache write inside
+  fused_kv  ``model.kv_write = True`` (the default of ``fused``): the KV-cache write inside
             the q/k-norm + RoPE kernel (``kernels.fused.qk_norm_rope_write``), one launch less per
             layer (only with paged Triton attention: ``--attention torch`` makes it ``fused``)
   compiled  the yardstick: a decoder of this script's own over the same weights, one layer

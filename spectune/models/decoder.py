@@ -252,9 +252,11 @@ class Transformer(nn.Module):
         self.args = args
         self.backend = backend
         self.fused = fused  # run_layers with the fused kernels
-        # fused: the KV-cache write inside the q/k-norm + RoPE kernel; off until measured on a GPU
-        # (benchmarks/fused_step.py's fused_kv arm turns it on), so ``--fused`` runs the measured path
-        self.kv_write = False
+        # fused: the KV-cache write inside the q/k-norm + RoPE kernel where it is exact (paged Triton
+        # attention, cache in the activations' dtype); bit for bit the separate write, one launch
+        # less per layer (H200 qwen3-8b: 0.987-0.994x the step with the separate write,
+        # benchmarks/fused_step.py)
+        self.kv_write = True
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
