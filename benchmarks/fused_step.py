@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,14 +54,8 @@ from spectune.models.build import AttentionChoice, StepFn, build_target, target_
 from spectune.models.config import ModelArgs, ModelError, resolve_target  # noqa: E402
 from spectune.models.decoder import Transformer  # noqa: E402
 
-
-def say(*parts: object) -> None:
-    print(*parts, flush=True)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
 
 
 def count_kernels(run: Callable[[], object], device: torch.device) -> int | None:

@@ -35,6 +35,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,19 +51,13 @@ from spectune.kernels.fp8 import quantize_rows, quantize_weight, scaled_mm_ok
 from spectune.models.build import StepFn
 from spectune.models.config import ModelArgs, ModelError, projection_shapes, resolve_target
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
+
 DEFAULT_MS = "1,2,4,8,16,32,64"
 ARMS = ("matmul", "linear", "linear_lt", "fp8")
 MAX_COPIES = 64
 GB = 1e9
-
-
-def say(*parts: object) -> None:
-    print(*parts, flush=True)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def gemm_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:

@@ -55,6 +55,9 @@ from spectune.models.config import (
     weight_read_bytes,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
+
 DEFAULT_TARGETS = "qwen3-8b,qwen3-8b:fp8,qwen3-32b,llama-3.1-8b"
 GEMM_SHAPES = {
     "wqkv": (6144, 4096),
@@ -64,15 +67,6 @@ GEMM_SHAPES = {
 }  # (N, K)
 GEMM_M = (1, 16, 64, 256, 1024, 4096)
 GB = 1e9
-
-
-def say(*parts: object) -> None:
-    print(*parts, flush=True)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def step_of(
