@@ -13,12 +13,18 @@ both. From those points:
   neither a row nor the online controller's choice among the captured tiers;
 - ``fits(b, n)`` for the candidate steps and the fixed-K references of the policy search.
 
-A profile without infeasible points changes nothing. The limits hold at the profile's context
-length (a longer served context needs more memory than was measured).
+A profile without infeasible points changes nothing. The limits are measured at the profile's
+context length; a table tuned for another mean context (``spectune tune --context-len``) takes
+them scaled by ``at_context``: a step's KV cache holds about batch x context tokens, so a batch
+that ran out of memory at context ``C_p`` runs out at context ``C`` from ``C_p / C`` times that
+batch on (rounded up), and a batch that fit, down to ``C_p / C`` times it (rounded down). A
+shorter context serves more requests than the profile could measure (qwen3-32b at 2048: out of
+memory from batch ~137; at 320 the same memory holds 6.4x the requests); a longer one fewer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +45,18 @@ class Feasibility:
         bad = tuple(sorted({(p.batch, p.tokens) for p in steps if p.ms is None}))
         good = tuple(sorted({p.batch for p in steps if p.ms is not None and p.kind == "target"}))
         return cls(bad, good)
+
+    def at_context(self, profile_context: int, context: int | None) -> Feasibility:
+        """These limits for traffic of mean context ``context`` (None: the profile's own)."""
+        if context is None or context == profile_context or not self.infeasible:
+            return self
+        if profile_context < 1 or context < 1:
+            raise SpectuneError(f"context_len: must be >= 1 to scale the memory limits, got "
+                                f"{profile_context} (profile) and {context}")
+        r = profile_context / context
+        bad = tuple(sorted({(max(1, math.ceil(b * r - 1e-9)), n) for b, n in self.infeasible}))
+        good = tuple(sorted({max(1, math.floor(b * r + 1e-9)) for b in self.feasible_batches}))
+        return Feasibility(bad, good)
 
     def fits(self, batch: int, tokens: int) -> bool:
         return not any(b <= batch and n <= tokens for b, n in self.infeasible)

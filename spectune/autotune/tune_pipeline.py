@@ -154,7 +154,8 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
         raise TableError("workload.max_k", f"must be >= 1 to tune speculative decoding, got {w.max_k}")
     model = resolve_acceptance(acceptance, w.max_k)
     requested = max_batch
-    max_batch, universe, dropped = feasible_shapes(profile, max_batch)
+    feas = Feasibility.of(profile.costs.points).at_context(w.context_len, context_len)
+    max_batch, universe, dropped = feasible_shapes(profile, max_batch, feas)
     cost = cost_model(profile)
     if context_len is not None:
         cost = dataclasses.replace(cost, context_len=context_len)
@@ -167,7 +168,7 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
         cost, model, max_batch=max_batch, max_k=w.max_k, capture=profile.costs.capture,
         objective=objective, capture_budget_mib=capture_budget_mib, capture_seconds=capture_seconds,
         latency_bound_ms=latency_bound_ms, trials=trials, seed=seed, pareto=pareto, smooth=smooth,
-        progress=progress, universe=universe, fits=Feasibility.of(profile.costs.points).fits,
+        progress=progress, universe=universe, fits=feas.fits,
     )
     table = dataclasses.replace(
         profile,
@@ -188,10 +189,12 @@ def tune(profile: Table, acceptance: str | AcceptanceModel | None, *, objective:
     return TuneResult(table, result, model, checks, picked, max_batch if max_batch < requested else None, dropped)
 
 
-def feasible_shapes(profile: Table, max_batch: int) -> tuple[int, list[int], tuple[int, ...]]:
+def feasible_shapes(profile: Table, max_batch: int,
+                    feas: Feasibility | None = None) -> tuple[int, list[int], tuple[int, ...]]:
     """(max_batch, candidate tiers, tiers left out) after the profile's out-of-memory points
-    (:mod:`spectune.autotune.feasibility`): the cap lowered until plain decoding has a tier."""
-    feas = Feasibility.of(profile.costs.points)
+    (:mod:`spectune.autotune.feasibility`; ``feas``: those limits at the tuned context, default
+    the profile's): the cap lowered until plain decoding has a tier."""
+    feas = Feasibility.of(profile.costs.points) if feas is None else feas
     cap = feas.batch_cap(max_batch)
     full = tier_universe(cap, profile.workload.max_k)
     universe = feas.tiers(full, cap)

@@ -108,7 +108,8 @@ sigma per block fires within a few blocks. After a change the block that showed 
 estimate's first evidence, so the decision made then can already leave the old choice.
 
 Batch sizes above the table's range reuse the last batch size's choice, with the budget cut to
-fit the largest tier (counted in ``Planner.clamped``); a batch larger than the largest tier gets
+fit the largest tier (counted in ``Planner.clamped``), where the cost model at the estimate's
+point rates says it still beats plain decoding there, else plain; a batch larger than the largest tier gets
 ``tier=None`` (no captured graph: the caller runs eager, counted in ``Planner.uncaptured``).
 """
 
@@ -284,6 +285,8 @@ class Planner:
         self._table: list[Plan] = [Plan(0, 0, None)] * (self.max_batch + 1)
         self._cands: list[list[tuple[Plan, float]]] = [[] for _ in range(self.max_batch + 1)]
         self._fac: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]
+        # batch sizes above the table's range: (drafting step ms, plain step ms, plain tier)
+        self._outside_ms: dict[tuple[int, int, int], tuple[float, float, int]] = {}
         self._no_corr = [NO_CORR] * (self.k_hi + 1)
         prior_sums = _survival_sums(self.prior)[1]
         for row in self.policy.rows:
@@ -371,7 +374,21 @@ class Planner:
         if tier is None:
             s.uncaptured += 1
             return Plan(0, 0, None)
-        return Plan(k if budget > 0 else 0, budget, tier)
+        if budget <= 0:
+            return Plan(0, 0, tier)
+        # no row here: the last row's K drafts on only while the cost model, at the estimate's
+        # point rates, still says it beats plain decoding at this batch (past the range the
+        # target turns compute-bound and a K that paid at the last row can cost more than it gives)
+        key = (batch_size, k, budget)
+        ms = self._outside_ms.get(key)
+        if ms is None:
+            plain_tier = smallest_tier(self.tiers, batch_size)
+            ms = self._outside_ms[key] = (step_ms(self.cost, batch_size, k, tier),
+                                          step_ms(self.cost, batch_size, 0, plain_tier or tier), plain_tier or tier)
+        draft_ms, plain_ms, plain_tier = ms
+        if _tokens(_survival_sums(s.a), batch_size, budget) * plain_ms <= batch_size * draft_ms:
+            return Plan(0, 0, plain_tier)
+        return Plan(k, budget, tier)
 
     def observe(self, accepted_per_pos: Any, tested_per_pos: Any) -> None:
         """Add one step's counters (a K = 0 step observes nothing: time still passes). The counts

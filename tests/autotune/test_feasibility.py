@@ -47,6 +47,35 @@ def test_limits_by_hand():
         Feasibility(((1, 1),), ()).batch_cap(8)
 
 
+def test_limits_scale_with_the_served_context():
+    f = Feasibility(infeasible=((16, 128), (64, 64)), feasible_batches=(1, 2, 4, 8, 16, 32))
+    assert f.at_context(2048, None) is f and f.at_context(2048, 2048) is f
+    short = f.at_context(2048, 320)  # 6.4x the requests in the same KV memory
+    assert short.infeasible == ((103, 128), (410, 64)) and short.feasible_batches == (6, 12, 25, 51, 102, 204)
+    assert short.batch_cap(256) == 102  # plain at 128 requests (128 tokens) is past (103, 128)
+    assert short.fits(102, 1000) and not short.fits(103, 128) and short.fits(409, 63)
+    long = f.at_context(2048, 4096)  # half
+    assert long.infeasible == ((8, 128), (32, 64)) and long.batch_cap(256) == 16
+    assert Feasibility((), (1, 2)).at_context(2048, 320).batch_cap(64) == 64
+
+
+def test_tune_at_a_shorter_context_serves_the_batches_the_memory_holds():
+    # out of memory from batch 64 at the profile's context 256: at 64 the same memory holds 4x the
+    # requests, so the table serves the whole requested range; at 1024 a quarter
+    oom = profile(infeasible={(64, 1), (64, 2), (64, 4), (64, 8), (16, 8), (32, 8)})
+    at_profile = tune(oom, ACC, trials=6)
+    short = tune(oom, ACC, trials=6, context_len=64)
+    long = tune(oom, ACC, trials=6, context_len=1024)
+    assert at_profile.batch_cap == 32
+    assert short.batch_cap is None and short.table.workload.max_batch == 64
+    assert short.table.policy.rows[-1].batch[1] == 64
+    assert long.batch_cap is not None and long.table.workload.max_batch < 32
+    feas = Feasibility.of(oom.costs.points)
+    for res, ctx in ((short, 64), (long, 1024)):
+        scaled = feas.at_context(256, ctx)
+        assert all(scaled.fits(b, t) for b, t in shapes(res.table))
+
+
 def shapes(table):
     """Every (batch, tier) the table's planner can run: rows, and each batch's candidates."""
     planner = Planner(table)

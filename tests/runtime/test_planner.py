@@ -52,6 +52,26 @@ def test_beyond_max_batch_is_clamped_and_counted():
         p.plan(0)
 
 
+def test_beyond_max_batch_drafts_only_where_the_cost_model_says_it_pays():
+    # the last row drafts K 2; past its range the target turns compute-bound (knee 24 tokens), so
+    # K 2 still pays just above the range and costs more than it gives at batch 64
+    params = make_params((5.0, 0.01, 24, 0.2, 20.0), (0.0, 0.4, 0.001), (0.05, 0.0))
+    rows = [Row((1, 8), 4, 32), Row((9, 16), 2, 32)]
+    tiers = [4, 8, 16, 32, 48, 64, 128, 256]
+    table = make_profile(params, make_workload(6, 16, target="t", context_len=1024), hardware="NVIDIA H200",
+                         policy=make_policy(tiers, rows, min_k=1, max_k=6, prior=[0.8] * 6))
+    p = Planner(table)
+    sums = _survival_sums([0.8] * 6)
+    for b, expect_k in ((17, 2), (64, 0)):
+        drafting = _tokens(sums, b, 2 * b) / step_ms(p.cost, b, 2, min(t for t in tiers if t >= 3 * b))
+        plain = b / step_ms(p.cost, b, 0, min(t for t in tiers if t >= b))
+        assert (drafting > plain) == (expect_k == 2)  # the premise: the cost model's verdict
+        plan = p.plan(b)
+        assert plan.k == expect_k
+        assert plan == (Plan(2, 2 * b, 64) if expect_k else Plan(0, 0, 64))
+    assert p.clamped == 2 and p.uncaptured == 0
+
+
 def test_load_and_gpu_mismatch(tmp_path):
     path = tmp_path / "policy.yaml"
     write_table(make_table(), path)
