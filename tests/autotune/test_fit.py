@@ -109,6 +109,27 @@ def test_drafter_recovered(kind, true):
     assert got.token_ms == pytest.approx(true.token_ms, rel=0.05)
 
 
+def test_autoregressive_drafter_knee_recovered_and_never_invented():
+    # the H200 qwen3-32b EAGLE drafter's shape: each draft step's b rows turn compute-bound past
+    # ~126 (its lm_head GEMM); a linear fit under-predicts batch 256 by ~8 %
+    rng = np.random.default_rng(2)
+    pts = [(b, k) for b in (1, 4, 16, 32, 64, 128, 192, 256) for k in (1, 4, 15)]
+    b, k = (np.array(x, float) for x in zip(*pts, strict=True))
+    noise = 1 + 0.003 * rng.standard_normal(len(pts))
+    kneed = DrafterCost(fixed_ms=0.01, step_ms=0.8, token_ms=0.0045, compute_ms=0.004, knee_tokens=126.0)
+    linear = DrafterCost(fixed_ms=0.01, step_ms=0.8, token_ms=0.0045)
+    for true in (kneed, linear):
+        y = np.array([drafter_ms(true, "autoregressive", bi, int(ki), CTX) for bi, ki in pts]) * noise
+        got = fit_drafter(b, k, y, "autoregressive", CTX)
+        for bi, ki in [(3, 2), (100, 9), (160, 6), (256, 15)]:
+            want = drafter_ms(true, "autoregressive", bi, ki, CTX)
+            assert drafter_ms(got, "autoregressive", bi, ki, CTX) == pytest.approx(want, rel=0.015)
+        if true is kneed:
+            assert got.compute_ms > 0 and got.knee_tokens == pytest.approx(126.0, rel=0.25)
+        else:  # within noise no knee: it would trade token_ms against compute_ms
+            assert got.compute_ms == 0.0
+
+
 def test_overhead_and_power():
     n = np.array([1, 8, 64, 256, 1024, 4096], float)
     o = fit_overhead(n, 0.05 + 0.0004 * n, source="pack-kernel")
