@@ -3,12 +3,14 @@
 - A point is a :class:`PointSpec` (kind, batch, tokens, q | k) with a deterministic ``key``
   (``target:b=4:q=2``); the key is what workers claim, so no key is ever measured twice.
 - Phases: ``seed`` (sparse grid: log-spaced batch sizes x a few q / K, every tier, a few overhead
-  sizes, a few target points of odd token counts so the fit sees partial GEMM tiles), ``held_out`` (>= 10 seeded random batch sizes off the grid, measured but not fitted; they
-  give the reported error) and ``adaptive``: rounds of a few points each, chosen by refitting the
-  cost model on bootstrap resamples and taking the candidates (any allowed batch x q / K) with the
-  largest relative spread of predictions, doubled near batch sizes where the best K under a default
-  geometric acceptance curve changes. A round's choice depends only on the finished points (sorted
-  by key), so any number of workers choose the same rounds as one.
+  sizes, a few target points of odd token counts so the fit sees partial GEMM tiles), ``held_out``
+  (>= 10 seeded random batch sizes off the grid, measured but not fitted; they give the reported
+  error; one found infeasible is replaced, :func:`held_out_replacements`) and ``adaptive``: rounds
+  of a few points each, chosen by refitting the cost model on bootstrap resamples and taking the
+  candidates (any allowed batch x q / K) with the largest relative spread of predictions, doubled
+  near batch sizes where the best K under a default geometric acceptance curve changes. A round's
+  choice depends only on the finished points (sorted by key), so any number of workers choose the
+  same rounds as one.
 """
 
 from __future__ import annotations
@@ -180,6 +182,48 @@ def held_out_points(plan: StudyPlan) -> list[PointSpec]:
             seen.add(p.key)
             pts.append(p)
     return pts
+
+
+HELD_OUT_RETRIES = 2  # replacements for infeasible held-out points: at most 2x the planned count
+FIT_MODEL = {"target": ("target", "tier"), "drafter": ("drafter",)}  # kinds timed on one model
+
+
+def held_out_budget(plan: StudyPlan) -> int:
+    """Every held-out key the study may enqueue: the planned points and their replacements."""
+    return len(held_out_points(plan)) + HELD_OUT_RETRIES * plan.held_out
+
+
+def held_out_replacements(plan: StudyPlan, records: Sequence[dict[str, Any]], exclude: set[str]) -> list[PointSpec]:
+    """Held-out points in place of the infeasible ones (out of memory), one per missing feasible point.
+
+    Drawn (seeded by how many held-out keys exist, so a resumed study draws the same) from batch
+    sizes below the smallest infeasible batch on that model at any token count -- the KV cache
+    grows with the batch, activations with the tokens, and a smaller batch with more tokens that
+    failed bounds the batch too -- off the grid when any is left, never a fitted point's shape,
+    never a key in ``exclude`` (every key ever enqueued). Empty when no held-out point is infeasible."""
+    held = [r for r in records if r.get("held_out")]
+    if all(r.get("feasible") for r in held):
+        return []
+    planned = held_out_points(plan)
+    fitted = {p.key for p in seed_points(plan)} | {k for k in exclude if not k.endswith(":held")}
+    rng = np.random.default_rng(plan.seed + 7919 + sum(1 for k in exclude if k.endswith(":held")))
+    grid = set(grid_batches(plan.batch_sizes))
+    picks: list[PointSpec] = []
+    rest: list[PointSpec] = []
+    for kind, make, sizes in (("target", target_point, range(1, plan.max_k + 2)),
+                              ("drafter", drafter_point, range(1, plan.max_k + 1))):
+        bound = min((r["batch"] for r in records if not r.get("feasible") and r["kind"] in FIT_MODEL[kind]),
+                    default=plan.max_batch + 1)
+        below = [b for b in plan.batch_sizes if b < bound]
+        batches = [b for b in below if b not in grid] or below
+        cands = [p for b in batches for s in sizes
+                 if (p := make(b, s, held_out=True)).key not in exclude and make(b, s).key not in fitted]
+        pool = [cands[int(i)] for i in rng.permutation(len(cands))]
+        need = sum(1 for p in planned if p.kind == kind) - sum(1 for r in held if r["kind"] == kind and r.get("feasible"))
+        picks += pool[:max(0, need)]
+        rest += pool[max(0, need):]
+    short = len(planned) - sum(1 for r in held if r.get("feasible")) - len(picks)
+    return picks + rest[:max(0, short)]  # a model with no room left: the other one fills in
 
 
 # ---------------------------------------------------------------------------------------------

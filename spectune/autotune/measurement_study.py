@@ -18,7 +18,9 @@ Design
   held-out points; ``work`` claims and measures points until none is waiting or running and the
   adaptive budget is spent (a worker that finds the queue empty while others still measure waits:
   each adaptive round is chosen from the finished points only, so N workers measure the same
-  points as one); ``collect`` fits the cost model on the finished points.
+  points as one; a held-out point found infeasible is first replaced, in rounds chosen the same
+  way, up to ``held_out_budget`` held-out keys); ``collect`` fits the cost model on the finished
+  points.
 - Resume and sharing: every worker opens the study with ``load_if_exists=True``; any number of
   workers (processes, GPUs, hosts) may join at any time. The study name encodes GPU and workload
   (:func:`study_name_for`), so several GPUs can share one storage (a journal file on one host, a
@@ -48,7 +50,9 @@ from spectune.autotune.measurement_plan import (
     default_tiers,
     drafter_point,
     grid_batches,
+    held_out_budget,
     held_out_points,
+    held_out_replacements,
     seed_points,
     target_point,
 )
@@ -239,10 +243,13 @@ def _next_round(h: StudyHandle) -> str:
             return "more"
         if states.running:
             return "wait"
+        records = list(finished_records(h.study).values())
+        held = held_out_replacements(plan, records, set(states.phases))
+        if held and enqueue(h.study, held, "held_out", h.lock, budget=held_out_budget(plan)):
+            return "more"
         spent = states.count("adaptive")
         picks = []
         if spent < plan.adaptive_trials:
-            records = list(finished_records(h.study).values())
             picks = choose_adaptive(plan, records, set(states.phases), min(plan.per_round, plan.adaptive_trials - spent))
         if picks and enqueue(h.study, picks, "adaptive", h.lock, budget=plan.adaptive_trials):
             return "more"
@@ -305,7 +312,9 @@ def collect(h: StudyHandle, measured: int = 0) -> StudyResult:
     plan = h.plan
     order = {p.key: i for i, p in enumerate(seed_points(plan) + held_out_points(plan))}
     done = finished_records(h.study)
-    records = sorted(done.values(), key=lambda r: (order.get(r["key"], len(order)), r["key"]))
+    # the planned points, then held-out replacements, then adaptive points
+    records = sorted(done.values(), key=lambda r: (order.get(r["key"], len(order) + (r.get("phase") != "held_out")),
+                                                   r["key"]))
     gpus: dict[str, int] = {}
     for r in records:
         gpus[str(r.get("gpu"))] = gpus.get(str(r.get("gpu")), 0) + 1

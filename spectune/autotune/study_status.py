@@ -1,9 +1,10 @@
 """``spectune status``: where the measurement studies in one storage stand.
 
 Per study: points done (settled: measured or infeasible), claimed (a worker measures them now),
-waiting, given up (their worker died twice), remaining (the plan's total minus done and given
-up), per worker (points done, the point it measures now, its last finished point), and an ETA:
-the median seconds per finished point x remaining points / the workers measuring now.
+waiting, given up (their worker died twice), remaining (the plan's total, plus any held-out
+replacements, minus done and given up), per worker (points done, the point it measures now, its
+last finished point), and an ETA: the median seconds per finished point x remaining points / the
+workers measuring now.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import optuna
 
-from spectune.autotune.measurement_plan import StudyError
+from spectune.autotune.measurement_plan import StudyError, StudyPlan, held_out_points
 from spectune.autotune.measurement_study import plan_from_identity
 from spectune.autotune.study_claims import COMPLETE_ATTR, IDENTITY_ATTR, key_states
 from spectune.autotune.study_storage import open_storage
@@ -62,6 +63,11 @@ def _workload(ident: dict[str, Any]) -> str:
             f"batch {ident.get('batch_sizes')}, K <= {ident.get('max_k')}, seed {ident.get('seed')}")
 
 
+def _total(plan: StudyPlan, held_keys: int) -> int:
+    """The plan's points plus the held-out replacements enqueued so far (for infeasible ones)."""
+    return plan.total_points + max(0, held_keys - len(held_out_points(plan)))
+
+
 def one_status(study: optuna.Study) -> StudyStatus:
     ident = study.user_attrs[IDENTITY_ATTR]
     states = key_states(study)
@@ -79,7 +85,7 @@ def one_status(study: optuna.Study) -> StudyStatus:
         wid = str((t.user_attrs.get("worker") or {}).get("id", "?"))
         workers.setdefault(wid, WorkerStatus(wid)).measuring = key
     st = StudyStatus(name=study.study_name, gpu=str(ident.get("gpu")), workload=_workload(ident),
-                     total=plan_from_identity(ident).total_points, done=len(states.settled),
+                     total=_total(plan_from_identity(ident), states.count("held_out")), done=len(states.settled),
                      claimed=len(states.running), waiting=len(states.waiting), given_up=sorted(states.given_up),
                      workers=sorted(workers.values(), key=lambda w: w.id),
                      finished=COMPLETE_ATTR in study.user_attrs)

@@ -37,16 +37,22 @@ def roofline_ms(p: PointSpec) -> float:
 class FakeRoofline:
     """Timer over the synthetic roofline; counts completed measurements per point key."""
 
-    def __init__(self, interrupt_after=None, infeasible_batch=None):
+    def __init__(self, interrupt_after=None, infeasible_batch=None, infeasible_above=None, held_infeasible=False):
         self.calls = Counter()
         self.interrupt_after = interrupt_after
         self.infeasible_batch = infeasible_batch
+        self.infeasible_above = infeasible_above  # batch * tokens past which a point is out of memory
+        self.held_infeasible = held_infeasible
 
     def __call__(self, step: PointSpec):
         if self.interrupt_after is not None and sum(self.calls.values()) >= self.interrupt_after:
             raise KeyboardInterrupt
         if self.infeasible_batch is not None and step.batch > self.infeasible_batch:
             raise InfeasiblePoint(f"out of memory at batch {step.batch}")
+        if self.infeasible_above is not None and step.batch * step.tokens > self.infeasible_above:
+            raise InfeasiblePoint(f"out of memory at {step.batch} x {step.tokens}")
+        if self.held_infeasible and step.held_out:
+            raise InfeasiblePoint("out of memory")
         self.calls[step.key] += 1
         ms = roofline_ms(step)
         cap = (0.01 * step.tokens, 2.0 + step.tokens / 64) if step.kind == "tier" else (None, None)
@@ -116,6 +122,72 @@ def test_infeasible_points_recorded_and_excluded():
     assert bad and all(r["batch"] > 40 and r["ms"] is None and "out of memory" in r["error"] for r in bad)
     assert res.params.target.weight_ms == pytest.approx(TRUE_T.weight_ms, rel=0.05)
     assert res.error.held_out == sum(1 for r in res.records if r["held_out"] and r["feasible"] and r["kind"] != "overhead")
+
+
+# --- infeasible held-out points are replaced ----------------------------------------------------
+
+CAP = 10_000  # batch * tokens: 6 of plan()'s 12 held-out points are past it, as on an H200 with qwen3-32b
+
+
+def held_keys(res):
+    return [r["key"] for r in res.records if r["held_out"]]
+
+
+def test_infeasible_held_out_points_are_replaced(storage):
+    p = plan()
+    planned = held_out_points(p)
+    assert sum(pt.batch * pt.tokens > CAP for pt in planned) == 6
+    res = run(p, FakeRoofline(infeasible_above=CAP), storage)
+    held = [r for r in res.records if r["held_out"]]
+    assert [r["key"] for r in held[:12]] == [pt.key for pt in planned]  # the planned ones first, as planned
+    new = held[12:]
+    assert len(new) >= 6 and all(r["phase"] == "held_out" for r in new)
+    assert res.error.held_out == sum(r["feasible"] for r in held) == 12
+    # below the smallest infeasible batch of that model (at any token count) before the replacements
+    first = [r for r in res.records if r["phase"] == "seed" or r["key"] in {pt.key for pt in planned}]
+    for r in new:
+        kinds = ("drafter",) if r["kind"] == "drafter" else ("target", "tier")
+        assert r["batch"] < min(x["batch"] for x in first if not x["feasible"] and x["kind"] in kinds)
+    fitted = {r["key"] for r in res.records if not r["held_out"]}
+    assert not {r["key"].removesuffix(":held") for r in new} & fitted  # never a fitted point's shape
+    assert len(set(held_keys(res))) == len(held)
+
+
+def test_status_counts_the_replacements(tmp_path):
+    from spectune.autotune.study_status import study_status
+
+    journal = str(tmp_path / "s.journal")
+    res = run(plan(), FakeRoofline(infeasible_above=CAP), journal)
+    (st,) = study_status(journal)
+    assert st.total == len(res.records) > plan().total_points and st.complete
+
+
+def test_all_feasible_held_out_points_are_the_planned_ones():
+    res = run(plan(), FakeRoofline(), None)
+    assert held_keys(res) == [pt.key for pt in held_out_points(plan())]
+
+
+def test_resumed_study_makes_the_same_replacements(tmp_path):
+    whole = held_keys(run(plan(), FakeRoofline(infeasible_above=CAP), None))
+    assert len(whole) > 12
+    p = plan()
+    before = sum(pt.batch * pt.tokens <= CAP for pt in seed_points(p) + held_out_points(p))
+    for stop in (before - 1, before, before + 2):  # the last planned point, the first replacement, later
+        journal = str(tmp_path / f"s{stop}.journal")
+        with pytest.raises(KeyboardInterrupt):
+            run(p, FakeRoofline(interrupt_after=stop, infeasible_above=CAP), journal)
+        second = FakeRoofline(infeasible_above=CAP)
+        res = run(p, second, journal)
+        assert held_keys(res) == whole and max(second.calls.values()) == 1
+
+
+def test_held_out_replacements_are_bounded():
+    from spectune.autotune.measurement_plan import held_out_budget
+
+    p = plan()
+    res = run(p, FakeRoofline(held_infeasible=True), None)
+    assert len(held_keys(res)) == held_out_budget(p) == 36 and res.error.held_out == 0
+    assert sum(1 for r in res.records if r["phase"] == "adaptive") == p.adaptive_trials
 
 
 def test_held_out_error_matches_records():
