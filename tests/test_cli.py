@@ -236,3 +236,14 @@ def test_fused_option_reaches_the_models_and_the_study_identity(monkeypatch):
     assert "fused" not in plain.identity and plain.identity["attention"] == "torch_folded"
     bench = build_parser().parse_args(["bench", "--policy", "p.yaml", "--out", "r.json", "--fused"])
     assert bench.fused
+
+
+def test_python_dash_m_spectune_is_the_command(tmp_path):
+    import subprocess
+    import sys
+
+    # bad input through `python -m spectune`: the command's one-line error and exit code 2
+    out = subprocess.run([sys.executable, "-m", "spectune", "validate", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "missing.yaml" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
