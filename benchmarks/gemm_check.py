@@ -10,6 +10,10 @@ x [M, K] bf16 times the weight [N, K] transposed, several ways:
   fp8        ``torch._scaled_mm`` on e4m3 x [M, K] and w [N, K] with a scale per row of x and per
              output channel of w, bf16 out: the GEMM alone, inputs quantised beforehand; only
              where it runs (CUDA, capability >= 8.9, K and N multiples of 16), else skipped
+  triton_small_m  ``kernels.gemv.small_m_matmul`` (the Triton small-M kernel, its heuristic config,
+             recorded in the cell) for M <= 16 where Triton runs (CUDA, or CPU under
+             TRITON_INTERPRET=1), else skipped; its output also against F.linear's
+             (``rel_err_linear``)
 
 A decode step reads each weight once from HBM; a weight smaller than the GPU's L2 timed alone
 would be read from L2 instead. So one timed run multiplies ``copies`` distinct weights in turn
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +53,7 @@ from spectune.autotune.hardware import software_facts
 from spectune.autotune.timing import Timer, default_timer, free_device_memory
 from spectune.io import atomic_write_text
 from spectune.kernels.fp8 import quantize_rows, quantize_weight, scaled_mm_ok
+from spectune.kernels.gemv import MAX_M, default_config, small_m_matmul, small_m_ok
 from spectune.models.build import StepFn
 from spectune.models.config import ModelArgs, ModelError, projection_shapes, resolve_target
 
@@ -55,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
 
 DEFAULT_MS = "1,2,4,8,16,32,64"
-ARMS = ("matmul", "linear", "linear_lt", "fp8")
+ARMS = ("matmul", "linear", "linear_lt", "fp8", "triton_small_m")
 MAX_COPIES = 64
 GB = 1e9
 
@@ -99,6 +105,8 @@ def arms_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Any]:
         "linear": (lambda: [F.linear(x, w) for w in weights], 2 * n * k, None),
         "linear_lt": (lambda: [F.linear(x, w) for w in weights], 2 * n * k, "cublaslt")
         if cuda else "CUDA only",
+        "triton_small_m": (lambda: [small_m_matmul(x, w) for w in weights], 2 * n * k, None)
+        if small_m_ok(x, weights[0]) else f"M <= {MAX_M}, bf16/fp16, where Triton runs",
     }
     if not scaled_mm_ok(x, weights[0]):  # (by the shape and the device only)
         arms["fp8"] = "torch._scaled_mm does not run here (CUDA, capability >= 8.9, K, N % 16)"
@@ -126,6 +134,7 @@ def check_shape(
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "copies": copies}
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)  # [M, K]
         want = x.float() @ weights[0].float().t()  # [M, N]
+        lin = F.linear(x, weights[0]).float()  # [M, N], what the decoder computes
         for arm, spec in arms_for(x, weights).items():
             if isinstance(spec, str):
                 row[arm] = {"skipped": spec}
@@ -136,6 +145,9 @@ def check_shape(
                 with blas_library(lib):
                     got = run()[0].float()
                     cell["rel_err"] = float((got - want).abs().max() / want.abs().max())
+                    if arm == "triton_small_m":
+                        cell["rel_err_linear"] = float((got - lin).abs().max() / lin.abs().max())
+                        cell["config"] = dataclasses.asdict(default_config(device, n, k))
                     step = StepFn(run=run, refresh=lambda: None, tokens=m, batch=1,
                                   label=f"gemm {name} m={m} {arm}")
                     t = timer(step)
