@@ -356,6 +356,41 @@ def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
         mod.main(["--device", "cpu", "--preset", "no-such-model", "--out-dir", str(tmp_path)])
 
 
+def test_gemm_check_sweep_writes_a_config_table(tmp_path, monkeypatch):
+    # --sweep on CPU (the interpreter), two candidates per shape: every swept shape gets a winner
+    # among its candidates, and the table loads as kernels.gemv reads it
+    from spectune.kernels import gemv
+
+    mod = load("gemm_check")
+    monkeypatch.setattr(mod, "candidate_configs", lambda n, k, sms: gemv.candidate_configs(n, k, sms)[:2])
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "1", "--flush-mib", "1",
+                     "--read-mib", "1", "--out-dir", str(tmp_path), "--sweep"]) == 0
+    res = json.loads((tmp_path / "gemm_check.json").read_text())
+    table = gemv.load_table(str(tmp_path / "gemv_configs.json"))
+    assert set(table) == {(r["n"], r["k"]) for r in res["rows"]}
+    for r in res["rows"]:
+        cell = r["triton_small_m"]
+        swept = [gemv.GemvConfig(**e["config"]) for e in cell["sweep"]]
+        assert swept == gemv.candidate_configs(r["n"], r["k"], 1)[:2]
+        assert all(e["ms"] > 0 and "error" not in e for e in cell["sweep"])
+        assert table[(r["n"], r["k"])] in swept
+
+
+def test_gemm_check_sweep_winner_is_the_best_over_all_m():
+    mod = load("gemm_check")
+    a, b, c = ({"block_n": bn, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3}
+               for bn in (16, 32, 64))
+
+    def row(m, times):
+        return {"n": 64, "k": 128, "m": m, "triton_small_m": {
+            "sweep": [{"config": cfg, "ms": t} for cfg, t in zip((a, b, c), times, strict=True)]}}
+
+    # a wins M 1 by a little, b wins M 16 by a lot; c is fastest at M 1 but failed at M 16
+    rows = [row(1, (1.0, 1.1, 0.9)), row(16, (3.0, 2.0, float("inf"))), {"n": 8, "k": 8, "m": 17,
+                                                                         "triton_small_m": {"skipped": "-"}}]
+    assert mod.sweep_winners(rows) == {(64, 128): mod.GemvConfig(**b)}
+
+
 def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, capsys):
     from spectune.runtime.table import read_table
 

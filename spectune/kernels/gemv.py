@@ -20,20 +20,35 @@ last bit of the cast where that order moves a value across a rounding boundary).
 
 Capturable in a CUDA graph: no host sync; the output and the workspace come from torch's caching
 allocator (a captured graph keeps its own, the same every replay), their sizes fixed by the
-shapes. Configs: ``heuristic_config(n, k, num_sms)``, no tuned table yet (none measured).
-``small_m_linear`` runs the kernel where it applies (``small_m_ok``) and ``F.linear`` elsewhere.
+shapes. ``small_m_linear`` runs the kernel where it applies (``small_m_ok``) and ``F.linear``
+elsewhere.
+
+Configs per weight shape (N, K): a tuned table's entry for exactly that shape, else
+``heuristic_config``. Tables are JSON files ``configs/gemv/<device name>.json`` (none shipped yet:
+nothing measured), written by ``benchmarks/gemm_check.py --sweep`` as ``gemv_configs.json``;
+``SPECTUNE_GEMV_CONFIGS=<file>`` replaces the packaged table.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from spectune.kernels.attention_configs import (
+    CONFIG_DIR,
+    ConfigTableError,
+    read_json,
+    table_file_name,
+    table_head,
+)
 from spectune.kernels.fused import triton_runs
 from spectune.kernels.kv_cache import check
 
@@ -74,13 +89,16 @@ def heuristic_config(n: int, k: int, num_sms: int) -> GemvConfig:
     reading at least ``MIN_K_BLOCKS_PER_SPLIT`` chunks (split_k as the launch runs it: every split
     non-empty). H200 (132 SMs) qwen3-8b: wo 4096 x 4096 -> 64 column blocks x 8 splits; wqkv
     6144 x 4096 -> 96 x 6; w2 4096 x 12288 -> 64 x 8; w13 24576 x 4096 -> 384 x 2; lm_head unsplit."""
-    block_n = 64
     block_k = min(256, max(16, triton.next_power_of_2(k)))
-    n_blocks = triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, n_blocks)
-    split = max(1, min(want, k_blocks // MIN_K_BLOCKS_PER_SPLIT, MAX_SPLIT_K))
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=launch_splits(k, block_k, split)[0])
+    return GemvConfig(block_n=64, block_k=block_k, split_k=auto_splits(n, k, 64, block_k, num_sms))
+
+
+def auto_splits(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Splits that bring the grid to about ``PROGRAMS_PER_SM`` programs per SM, each split at
+    least ``MIN_K_BLOCKS_PER_SPLIT`` chunks, as the launch runs them."""
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, triton.cdiv(n, block_n))
+    split = max(1, min(want, triton.cdiv(k, block_k) // MIN_K_BLOCKS_PER_SPLIT, MAX_SPLIT_K))
+    return launch_splits(k, block_k, split)[0]
 
 
 def launch_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -91,18 +109,98 @@ def launch_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(k, k_chunk), k_chunk
 
 
+def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    """What ``gemm_check.py --sweep`` times for one shape: the heuristic's config, and around it
+    block_n 32/64/128, block_k 128/256/512 (at most K's power of 2), splits half / same / twice
+    the heuristic's for each tile (as the launch runs them), 4 or 8 warps, 3 or 4 stages."""
+    base = heuristic_config(n, k, num_sms)
+    out = {base}
+    k_pow2 = max(16, triton.next_power_of_2(k))
+    for block_n in (32, 64, 128):
+        for block_k in sorted({min(b, k_pow2) for b in (128, 256, 512)}):
+            auto = auto_splits(n, k, block_n, block_k, num_sms)
+            for split in {max(1, auto // 2), auto, 2 * auto}:
+                split = launch_splits(k, block_k, min(split, 64))[0]
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        out.add(GemvConfig(block_n, block_k, split, warps, stages))
+    return sorted(out, key=lambda c: (c != base, tuple(asdict(c).values())))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuned tables: {"format", "device_name", "sm_count", "source", "configs": [{"n", "k", <config>}]}
+
+TABLE_FORMAT = "spectune-gemv-configs/1"
+TABLE_ENV = "SPECTUNE_GEMV_CONFIGS"
+_CONFIG_KEYS = {f.name for f in fields(GemvConfig)}
+
+
+def table_to_json(device_name: str, sm_count: int, source: str,
+                  entries: dict[tuple[int, int], GemvConfig]) -> str:
+    """A table's JSON text, one shape per line."""
+    head = {"format": TABLE_FORMAT, "device_name": device_name, "sm_count": sm_count, "source": source}
+    lines = [json.dumps({"n": n, "k": k, **asdict(cfg)}) for (n, k), cfg in sorted(entries.items())]
+    return ("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(v)}" for key, v in head.items())
+            + ',\n "configs": [\n' + ",\n".join("  " + line for line in lines) + "\n ]\n}\n")
+
+
+def table_from_dict(data: Any, where: str) -> dict[tuple[int, int], GemvConfig]:
+    """Validate a parsed table -> {(N, K): config}; every error names ``where`` and the field."""
+    def fail(field: str, reason: str) -> ConfigTableError:
+        return ConfigTableError(f"{where}: {field}: {reason}")
+
+    _, _, raw = table_head(data, where, TABLE_FORMAT)
+    entries: dict[tuple[int, int], GemvConfig] = {}
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise fail(f"configs[{i}]", "must be an object")
+        bad = sorted(set(item) - _CONFIG_KEYS - {"n", "k"})
+        if bad:
+            raise fail(f"configs[{i}].{bad[0]}", "unknown key")
+        for key in ("n", "k", *sorted(_CONFIG_KEYS & set(item))):
+            if not isinstance(item.get(key), int) or isinstance(item.get(key), bool) or item[key] < 1:
+                raise fail(f"configs[{i}].{key}", f"must be an integer >= 1, got {item.get(key)!r}")
+        try:
+            cfg = GemvConfig(**{key: item[key] for key in _CONFIG_KEYS & set(item)})
+        except ValueError as exc:
+            raise fail(f"configs[{i}]", str(exc)) from None
+        entries[(item["n"], item["k"])] = cfg
+    return entries
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(path: str) -> dict[tuple[int, int], GemvConfig]:
+    """Read and validate one table file (cached per path)."""
+    return table_from_dict(read_json(path), path)
+
+
+def table_for_device(device_name: str) -> dict[tuple[int, int], GemvConfig]:
+    """$SPECTUNE_GEMV_CONFIGS, else the packaged ``configs/gemv/<device>.json``, else empty."""
+    override = os.environ.get(TABLE_ENV)
+    if override:
+        return load_table(override)
+    path = CONFIG_DIR / "gemv" / table_file_name(device_name)
+    return load_table(str(path)) if path.is_file() else {}
+
+
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _device_facts(device: torch.device) -> tuple[str, int]:
+    if device.type != "cuda":
+        return "", 1
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.multi_processor_count
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_config(n: int, k: int, num_sms: int) -> GemvConfig:
-    return heuristic_config(n, k, num_sms)
+def config_for(name: str, sms: int, n: int, k: int) -> GemvConfig:
+    """The table's config of GPU ``name`` for (N, K), else the heuristic for ``sms`` SMs."""
+    found = table_for_device(name).get((n, k)) if name else None
+    return found or heuristic_config(n, k, sms)
 
 
 def default_config(device: torch.device, n: int, k: int) -> GemvConfig:
-    return _cached_config(n, k, _num_sms(device))
+    """The table's config for this exact (N, K) on this GPU, else the heuristic (1 SM off CUDA)."""
+    return config_for(*_device_facts(device), n, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +216,7 @@ def small_m_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # Kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m_rows", "k_chunk"])
 def _small_m_kernel(
     # Pointers
     x_ptr,  # [M, K] bf16/fp16/fp32, last dim contiguous
@@ -135,7 +233,7 @@ def _small_m_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,  # more than one split: fp32 partials into out_ptr
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
 ):
@@ -161,27 +259,27 @@ def _small_m_kernel(
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     mask = col_ok[:, None] & row_ok[None, :]
     offs = rows[None, :] * n_cols + cols[:, None]  # y [M, N] element (m, n) of acc[n, m]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + split * m_rows * n_cols + offs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["size", "splits"])
 def _reduce_splits_kernel(
     # Pointers
-    part_ptr,  # [SPLIT_K, M, N] float32
+    part_ptr,  # [splits, M, N] float32
     y_ptr,  # [M, N] output dtype
     # Dimensions
     size,  # M * N
+    splits,
     # Meta-parameters
-    SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
+    for s in range(1, splits):  # in split order: deterministic
         acc += tl.load(part_ptr + s * size + offs, mask=ok, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -209,14 +307,14 @@ def small_m_matmul(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None =
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _small_m_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, w, out, m, n, k, k_chunk, x.stride(0), w.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_F32=x.device.type != "cuda" and x.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         _reduce_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            out, y, m * n, SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4)
+            out, y, m * n, split, BLOCK=REDUCE_BLOCK, num_warps=4)
     return y
 
 

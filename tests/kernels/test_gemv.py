@@ -3,19 +3,29 @@ CPU), with and without split-K; the heuristic's configs; ``small_m_linear``'s fa
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from spectune.kernels.attention_configs import ConfigTableError
 from spectune.kernels.gemv import (
     MAX_M,
+    TABLE_ENV,
     GemvConfig,
+    candidate_configs,
+    config_for,
     heuristic_config,
     launch_splits,
     small_m_linear,
     small_m_matmul,
     small_m_matmul_ref,
     small_m_ok,
+    table_for_device,
+    table_from_dict,
+    table_to_json,
 )
 from spectune.kernels.kv_cache import KernelInputError
 
@@ -138,3 +148,48 @@ def test_bad_inputs_name_the_field():
         small_m_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), w)
     with pytest.raises(KernelInputError, match="w"):
         small_m_matmul(torch.zeros(2, 128, dtype=torch.float16), w)
+
+
+def test_candidates_start_with_the_heuristic_and_run_as_launched():
+    cands = candidate_configs(4096, 4096, 132)
+    assert cands[0] == heuristic_config(4096, 4096, 132)
+    assert len(set(cands)) == len(cands) > 20
+    for c in cands:
+        assert launch_splits(4096, c.block_k, c.split_k)[0] == c.split_k
+    assert {c.block_n for c in cands} == {32, 64, 128} and {c.split_k for c in cands} >= {4, 8, 16}
+    assert max(c.block_k for c in candidate_configs(64, 100, 132)) == 128  # at most K's power of 2
+
+
+def test_table_round_trip_and_override(tmp_path, monkeypatch):
+    entries = {(4096, 4096): GemvConfig(32, 128, 4, 8, 4), (96, 256): GemvConfig(16, 64, 2)}
+    path = tmp_path / "t.json"
+    path.write_text(table_to_json("NVIDIA H200", 132, "test", entries))
+    assert table_from_dict(json.loads(path.read_text()), "t") == entries
+    monkeypatch.setenv(TABLE_ENV, str(path))
+    config_for.cache_clear()
+    try:
+        assert config_for("NVIDIA H200", 132, 4096, 4096) == entries[(4096, 4096)]
+        assert config_for("NVIDIA H200", 132, 6144, 4096) == heuristic_config(6144, 4096, 132)  # not in it
+        # the table's config runs and gives the reference's result
+        x = rand(3, 256, seed=9, dtype=torch.bfloat16)
+        w = rand(96, 256, seed=10, dtype=torch.bfloat16) / 16
+        assert_near_reference(run(x, w, config_for("NVIDIA H200", 132, 96, 256)), x, w)
+    finally:
+        config_for.cache_clear()
+    monkeypatch.delenv(TABLE_ENV)
+    assert table_for_device("No Such GPU") == {}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"format": "x"}, "format"),
+    ({"extra": 1}, "extra"),
+    ({"sm_count": 0}, "sm_count"),
+    ({"configs": []}, "configs"),
+    ({"configs": [{"n": 64, "k": 128, "block_n": 48}]}, "configs[0]"),
+    ({"configs": [{"n": 0, "k": 128}]}, "configs[0].n"),
+    ({"configs": [{"n": 64, "k": 128, "splits": 2}]}, "configs[0].splits"),
+])
+def test_bad_table_names_the_field(change, field):
+    good = json.loads(table_to_json("NVIDIA H200", 132, "", {(64, 128): GemvConfig()}))
+    with pytest.raises(ConfigTableError, match=re.escape(f"t.json: {field}")):
+        table_from_dict({**good, **change}, "t.json")
