@@ -10,6 +10,10 @@ x [M, K] bf16 times the weight [N, K] transposed, several ways:
   fp8        ``torch._scaled_mm`` on e4m3 x [M, K] and w [N, K] with a scale per row of x and per
              output channel of w, bf16 out: the GEMM alone, inputs quantised beforehand; only
              where it runs (CUDA, capability >= 8.9, K and N multiples of 16), else skipped
+  triton_small_m  ``kernels.gemv.small_m_matmul`` (the Triton small-M kernel, its heuristic config,
+             recorded in the cell) for M <= 16 where Triton runs (CUDA, or CPU under
+             TRITON_INTERPRET=1), else skipped; its output also against F.linear's
+             (``rel_err_linear``)
 
 A decode step reads each weight once from HBM; a weight smaller than the GPU's L2 timed alone
 would be read from L2 instead. So one timed run multiplies ``copies`` distinct weights in turn
@@ -21,10 +25,16 @@ fraction of the read bandwidth measured in the same run (one sum over ``--read-m
 Correctness first: every arm's output against a float32 product of the same inputs (relative
 error of the max-norm).
 
+``--sweep`` also times every candidate config of the small-M kernel
+(``kernels.gemv.candidate_configs``) at each M <= 16 (in the cell's ``sweep``) and writes the
+winner per weight shape (lowest geometric mean of time / best over the M values) as a
+``kernels.gemv`` config table, ``gemv_configs.json`` (to ship: ``kernels/configs/gemv/<GPU>.json``).
+
 Prints a table; writes ``gemm_check.json`` under ``--out-dir`` (default $OUT, else
 benchmarks/results/).
 
     python benchmarks/gemm_check.py                                   # one H200: ~1 minute
+    python benchmarks/gemm_check.py --sweep --ms 1,4,16               # + the small-M config sweep
     python benchmarks/gemm_check.py --device cpu --preset tiny --ms 1,2 --flush-mib 1 --read-mib 1
 """
 
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -47,7 +58,17 @@ import torch.nn.functional as F
 from spectune.autotune.hardware import software_facts
 from spectune.autotune.timing import Timer, default_timer, free_device_memory
 from spectune.io import atomic_write_text
+from spectune.kernels.attention_configs import num_sms
 from spectune.kernels.fp8 import quantize_rows, quantize_weight, scaled_mm_ok
+from spectune.kernels.gemv import (
+    MAX_M,
+    GemvConfig,
+    candidate_configs,
+    default_config,
+    small_m_matmul,
+    small_m_ok,
+    table_to_json,
+)
 from spectune.models.build import StepFn
 from spectune.models.config import ModelArgs, ModelError, projection_shapes, resolve_target
 
@@ -55,8 +76,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
 
 DEFAULT_MS = "1,2,4,8,16,32,64"
-ARMS = ("matmul", "linear", "linear_lt", "fp8")
+ARMS = ("matmul", "linear", "linear_lt", "fp8", "triton_small_m")
 MAX_COPIES = 64
+SWEEP_MAX_REL_ERR = 0.02  # a swept config's output against the float32 product (bf16 out)
 GB = 1e9
 
 
@@ -99,6 +121,8 @@ def arms_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Any]:
         "linear": (lambda: [F.linear(x, w) for w in weights], 2 * n * k, None),
         "linear_lt": (lambda: [F.linear(x, w) for w in weights], 2 * n * k, "cublaslt")
         if cuda else "CUDA only",
+        "triton_small_m": (lambda: [small_m_matmul(x, w) for w in weights], 2 * n * k, None)
+        if small_m_ok(x, weights[0]) else f"M <= {MAX_M}, bf16/fp16, where Triton runs",
     }
     if not scaled_mm_ok(x, weights[0]):  # (by the shape and the device only)
         arms["fp8"] = "torch._scaled_mm does not run here (CUDA, capability >= 8.9, K, N % 16)"
@@ -114,9 +138,58 @@ def arms_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Any]:
     return arms
 
 
+def sweep_small_m(timer: Timer, x: torch.Tensor, weights: list[torch.Tensor],
+                  want: torch.Tensor, label: str) -> list[dict[str, Any]]:
+    """Every candidate config of the small-M kernel on these inputs: ms per GEMM, inf where it
+    fails (out of resources) or its result is off (relative error over ``SWEEP_MAX_REL_ERR``)."""
+    n, k = weights[0].shape
+    out = []
+    for cfg in candidate_configs(n, k, num_sms(x.device)):
+        def run(cfg: GemvConfig = cfg) -> list[torch.Tensor]:
+            return [small_m_matmul(x, w, cfg) for w in weights]
+
+        entry: dict[str, Any] = {"config": dataclasses.asdict(cfg), "ms": math.inf}
+        try:
+            err = float((run()[0].float() - want).abs().max() / want.abs().max())
+            if err <= SWEEP_MAX_REL_ERR:
+                t = timer(StepFn(run=run, refresh=lambda: None, tokens=x.shape[0], batch=1,
+                                 label=f"{label} {cfg}"))
+                entry["ms"] = t.median_ms / len(weights)
+            else:
+                entry["error"] = f"rel_err {err:.3g}"
+        except Exception as exc:  # noqa: BLE001 (a failing candidate only loses)
+            entry["error"] = first_line(exc)
+        out.append(entry)
+    return out
+
+
+def sweep_winners(rows: list[dict[str, Any]]) -> dict[tuple[int, int], GemvConfig]:
+    """Per weight shape (N, K): the swept config with the lowest geometric mean of time / best
+    time over the shape's M values; one that failed at any M loses."""
+    per_shape: dict[tuple[int, int], list[dict[tuple, float]]] = {}
+    for r in rows:
+        swept = r.get("triton_small_m", {}).get("sweep")
+        if swept:
+            per_shape.setdefault((r["n"], r["k"]), []).append(
+                {tuple(e["config"].values()): e["ms"] for e in swept})
+    winners = {}
+    for shape, per_m in per_shape.items():
+        best = [min(times.values()) for times in per_m]
+
+        def score(key: tuple, per_m: list = per_m, best: list = best) -> float:
+            ratios = [times.get(key, math.inf) / b for times, b in zip(per_m, best, strict=True)]
+            return math.exp(sum(math.log(q) for q in ratios) / len(ratios)) if all(
+                math.isfinite(q) for q in ratios) else math.inf
+
+        key = min(per_m[0], key=lambda c: (score(c), c))
+        if math.isfinite(score(key)):
+            winners[shape] = GemvConfig(*key)
+    return winners
+
+
 def check_shape(
     timer: Timer, device: torch.device, name: str, n: int, k: int, ms: list[int],
-    flush_bytes: int, read_gbps: float, gen: torch.Generator,
+    flush_bytes: int, read_gbps: float, gen: torch.Generator, sweep: bool = False,
 ) -> list[dict[str, Any]]:
     copies = max(1, min(MAX_COPIES, math.ceil(flush_bytes / (2 * n * k))))
     weights = [torch.randn(n, k, device=device, generator=gen).div_(k**0.5).to(torch.bfloat16)
@@ -126,6 +199,7 @@ def check_shape(
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "copies": copies}
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)  # [M, K]
         want = x.float() @ weights[0].float().t()  # [M, N]
+        lin = F.linear(x, weights[0]).float()  # [M, N], what the decoder computes
         for arm, spec in arms_for(x, weights).items():
             if isinstance(spec, str):
                 row[arm] = {"skipped": spec}
@@ -136,12 +210,17 @@ def check_shape(
                 with blas_library(lib):
                     got = run()[0].float()
                     cell["rel_err"] = float((got - want).abs().max() / want.abs().max())
+                    if arm == "triton_small_m":
+                        cell["rel_err_linear"] = float((got - lin).abs().max() / lin.abs().max())
+                        cell["config"] = dataclasses.asdict(default_config(device, n, k))
                     step = StepFn(run=run, refresh=lambda: None, tokens=m, batch=1,
                                   label=f"gemm {name} m={m} {arm}")
                     t = timer(step)
                 ms_one = t.median_ms / copies
                 gbps = nbytes / (ms_one * 1e-3) / GB
                 cell.update(ms=ms_one, gbps=gbps, of_read_bw=gbps / read_gbps, mode=t.mode)
+                if arm == "triton_small_m" and sweep:
+                    cell["sweep"] = sweep_small_m(timer, x, weights, want, f"gemm {name} m={m}")
             except Exception as exc:  # one bad point must not end the run
                 cell["error"] = first_line(exc)
             row[arm] = cell
@@ -165,6 +244,26 @@ def print_table(result: dict[str, Any]) -> None:
             + " ".join(f"{c:>17}" for c in cells))
 
 
+def write_sweep_table(result: dict[str, Any], device: torch.device, path: Path) -> None:
+    """The sweep's winners as a ``kernels.gemv`` config table; prints heuristic vs winner."""
+    winners = sweep_winners(result["rows"])
+    if not winners:
+        say("sweep: no shape ran the small-M kernel; no table written")
+        return
+    sw = result["software"]
+    source = (f"gemm_check.py --sweep, {result['target']}, M {[m for m in result['ms'] if m <= MAX_M]}, "
+              f"torch {sw['torch']}, triton {sw['triton']}")
+    atomic_write_text(path, table_to_json(result["gpu"], num_sms(device), source, winners))
+    say("\nsmall-M sweep: us per GEMM, heuristic -> winner")
+    for r in result["rows"]:
+        cell = r.get("triton_small_m", {})
+        cfg = winners.get((r["n"], r["k"]))
+        if "sweep" in cell and cfg is not None:
+            won = next(e["ms"] for e in cell["sweep"] if e["config"] == dataclasses.asdict(cfg))
+            say(f"  {r['shape']:<8} M {r['m']:>2}: {cell['ms'] * 1e3:7.1f} -> {won * 1e3:7.1f}  {cfg}")
+    say(f"wrote {path}")
+
+
 def parse_ms(text: str) -> list[int]:
     try:
         ms = sorted({int(m) for m in text.split(",") if m.strip()})
@@ -184,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="distinct weights' bytes one timed run reads at least (past the L2)")
     ap.add_argument("--read-mib", type=int, default=1024, help="buffer of the read-bandwidth sum")
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every candidate config of the small-M kernel at M <= 16 and "
+                         "write the winners per shape to gemv_configs.json")
     args = ap.parse_args(argv)
     ms = parse_ms(args.ms)
     for flag, value in (("--flush-mib", args.flush_mib), ("--read-mib", args.read_mib)):
@@ -213,12 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, (n, k) in gemm_shapes(target).items():
         say(f"  {name} [{n}, {k}]")
         result["rows"] += check_shape(timer, device, name, n, k, ms, args.flush_mib * 2**20,
-                                      result["read"]["gbps"], gen)
+                                      result["read"]["gbps"], gen, args.sweep)
     result["wall_s"] = time.perf_counter() - started
     print_table(result)
     path = out / "gemm_check.json"
     atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
     say(f"\n{result['wall_s']:.0f} s; wrote {path}")
+    if args.sweep:
+        write_sweep_table(result, device, out / "gemv_configs.json")
     return 0
 
 

@@ -1,5 +1,6 @@
 """The scaling benchmarks' logic on CPU (their numbers come from the commands in docs/SCALING.md)."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -313,21 +314,32 @@ def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
 
 def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     # every shape and M on the tiny preset; fp8 through torch._scaled_mm on CPU (its gate lifted),
-    # cuBLASLt skipped off CUDA
+    # cuBLASLt skipped off CUDA; the small-M Triton kernel under the interpreter (tests/conftest.py)
+    # up to 16 rows, skipped at 17
+    from spectune.kernels.gemv import heuristic_config
     from spectune.models.config import ModelArgs
 
     mod = load("gemm_check")
     monkeypatch.setattr(mod, "scaled_mm_ok", lambda x, w: True)
-    assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "2,1", "--flush-mib", "1",
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "2,1,17", "--flush-mib", "1",
                      "--read-mib", "1", "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gemm_check.json").read_text())
     tiny = ModelArgs.from_name("tiny")
     want = {"wqkv": (256, 128), "wo": (128, 128), "w13": (512, 128), "w2": (128, 256),
             "lm_head": (tiny.vocab_size, tiny.dim)}  # (H + 2 Hkv) D = 8 * 32, 2 I = 512
     assert {(r["shape"], r["n"], r["k"], r["m"]) for r in res["rows"]} == {
-        (name, n, k, m) for name, (n, k) in want.items() for m in (1, 2)}
+        (name, n, k, m) for name, (n, k) in want.items() for m in (1, 2, 17)}
     for r in res["rows"]:
         assert r["copies"] * 2 * r["n"] * r["k"] >= 2**20 or r["copies"] == mod.MAX_COPIES
+        small = r["triton_small_m"]
+        if r["m"] > 16:
+            assert "skipped" in small
+        else:
+            assert "error" not in small and small["ms"] > 0
+            assert small["weight_bytes"] == 2 * r["n"] * r["k"]
+            assert small["config"] == dataclasses.asdict(heuristic_config(r["n"], r["k"], 1))
+            # fp32 sums, one bf16 cast: within a bf16 rounding of the float32 product and F.linear
+            assert small["rel_err"] < 0.01 and small["rel_err_linear"] < 0.01
         for arm in ("matmul", "linear", "fp8"):
             c = r[arm]
             assert "error" not in c and c["ms"] > 0
@@ -342,6 +354,41 @@ def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
         mod.main(["--device", "cpu", "--ms", "0,1", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--preset"):
         mod.main(["--device", "cpu", "--preset", "no-such-model", "--out-dir", str(tmp_path)])
+
+
+def test_gemm_check_sweep_writes_a_config_table(tmp_path, monkeypatch):
+    # --sweep on CPU (the interpreter), two candidates per shape: every swept shape gets a winner
+    # among its candidates, and the table loads as kernels.gemv reads it
+    from spectune.kernels import gemv
+
+    mod = load("gemm_check")
+    monkeypatch.setattr(mod, "candidate_configs", lambda n, k, sms: gemv.candidate_configs(n, k, sms)[:2])
+    assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "1", "--flush-mib", "1",
+                     "--read-mib", "1", "--out-dir", str(tmp_path), "--sweep"]) == 0
+    res = json.loads((tmp_path / "gemm_check.json").read_text())
+    table = gemv.load_table(str(tmp_path / "gemv_configs.json"))
+    assert set(table) == {(r["n"], r["k"]) for r in res["rows"]}
+    for r in res["rows"]:
+        cell = r["triton_small_m"]
+        swept = [gemv.GemvConfig(**e["config"]) for e in cell["sweep"]]
+        assert swept == gemv.candidate_configs(r["n"], r["k"], 1)[:2]
+        assert all(e["ms"] > 0 and "error" not in e for e in cell["sweep"])
+        assert table[(r["n"], r["k"])] in swept
+
+
+def test_gemm_check_sweep_winner_is_the_best_over_all_m():
+    mod = load("gemm_check")
+    a, b, c = ({"block_n": bn, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3}
+               for bn in (16, 32, 64))
+
+    def row(m, times):
+        return {"n": 64, "k": 128, "m": m, "triton_small_m": {
+            "sweep": [{"config": cfg, "ms": t} for cfg, t in zip((a, b, c), times, strict=True)]}}
+
+    # a wins M 1 by a little, b wins M 16 by a lot; c is fastest at M 1 but failed at M 16
+    rows = [row(1, (1.0, 1.1, 0.9)), row(16, (3.0, 2.0, float("inf"))), {"n": 8, "k": 8, "m": 17,
+                                                                         "triton_small_m": {"skipped": "-"}}]
+    assert mod.sweep_winners(rows) == {(64, 128): mod.GemvConfig(**b)}
 
 
 def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, capsys):

@@ -226,8 +226,10 @@ _ENTRY_KEYS = {"head_dim", "rows", "programs"} | {f.name for f in fields(AttnCon
 _TABLE_KEYS = {"format", "device_name", "sm_count", "source", "configs"}
 
 
-def table_from_dict(data: Any, where: str) -> ConfigTable:
-    """Validate a parsed table; every error names ``where`` (the file) and the field."""
+def table_head(data: Any, where: str, table_format: str) -> tuple[str, int, list[Any]]:
+    """The top level of a parsed config table (its keys, ``format``, ``device_name``, ``sm_count``,
+    a non-empty ``configs`` list) checked -> (device_name, sm_count, configs); errors name
+    ``where`` (the file) and the field."""
     def fail(field: str, reason: str) -> ConfigTableError:
         return ConfigTableError(f"{where}: {field}: {reason}")
 
@@ -236,8 +238,8 @@ def table_from_dict(data: Any, where: str) -> ConfigTable:
     unknown = sorted(set(data) - _TABLE_KEYS)
     if unknown:
         raise fail(unknown[0], f"unknown key (allowed: {', '.join(sorted(_TABLE_KEYS))})")
-    if data.get("format") != TABLE_FORMAT:
-        raise fail("format", f"must be {TABLE_FORMAT!r}, got {data.get('format')!r}")
+    if data.get("format") != table_format:
+        raise fail("format", f"must be {table_format!r}, got {data.get('format')!r}")
     name, sms = data.get("device_name"), data.get("sm_count")
     if not isinstance(name, str) or not name:
         raise fail("device_name", f"must be a non-empty string, got {name!r}")
@@ -246,6 +248,15 @@ def table_from_dict(data: Any, where: str) -> ConfigTable:
     raw = data.get("configs")
     if not isinstance(raw, list) or not raw:
         raise fail("configs", "must be a non-empty list")
+    return name, sms, raw
+
+
+def table_from_dict(data: Any, where: str) -> ConfigTable:
+    """Validate a parsed table; every error names ``where`` (the file) and the field."""
+    def fail(field: str, reason: str) -> ConfigTableError:
+        return ConfigTableError(f"{where}: {field}: {reason}")
+
+    name, sms, raw = table_head(data, where, TABLE_FORMAT)
     entries = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
@@ -265,16 +276,20 @@ def table_from_dict(data: Any, where: str) -> ConfigTable:
     return ConfigTable(device_name=name, sm_count=sms, entries=tuple(entries), source=str(source))
 
 
-@functools.lru_cache(maxsize=16)
-def load_table(path: str) -> ConfigTable:
-    """Read and validate one table file (cached per path)."""
+def read_json(path: str) -> Any:
+    """A table file's parsed JSON; a missing or unreadable file is a ConfigTableError naming it."""
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigTableError(f"{path}: file not found") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigTableError(f"{path}: cannot read JSON: {exc}") from None
-    return table_from_dict(data, path)
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(path: str) -> ConfigTable:
+    """Read and validate one table file (cached per path)."""
+    return table_from_dict(read_json(path), path)
 
 
 def table_file_name(device_name: str) -> str:

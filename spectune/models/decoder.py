@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -34,6 +34,7 @@ from spectune.kernels.fused import (
     silu_mul_ref,
     triton_runs,
 )
+from spectune.kernels.gemv import small_m_linear
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import ModelArgs
 from spectune.models.paged import PagedTritonAttention
@@ -60,19 +61,34 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.qweight, self.scale)
 
 
+Weight = nn.Parameter | Fp8Linear
+PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # the weights quantize_linears_ turns into FP8
+
+
+def linear(x: Tensor, w: Weight) -> Tensor:
+    return w(x) if isinstance(w, Fp8Linear) else F.linear(x, w)
+
+
+def linear_small_m(x: Tensor, w: Weight) -> Tensor:
+    """``linear`` with bf16/fp16 weights at 1..16 rows through the small-M kernel
+    (``kernels/gemv.py``), F.linear elsewhere; FP8 weights as ``linear``."""
+    return w(x) if isinstance(w, Fp8Linear) else small_m_linear(x, w)
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise pieces of a layer: the torch references or the fused Triton kernels.
 
     ``qk_norm_rope_write`` (None: not used) is q/k-norm + RoPE with the paged KV-cache write in the
     same kernel; a layer uses it only where it is exact (``Attention.forward``), else
-    ``qk_norm_rope`` and the backend's own write."""
+    ``qk_norm_rope`` and the backend's own write. ``linear`` runs the projections."""
 
     rms_norm: Callable[..., Tensor]
     add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
     silu_mul: Callable[[Tensor], Tensor]
     qk_norm_rope: Callable[..., tuple[Tensor, Tensor, Tensor]]
     qk_norm_rope_write: Callable[..., Tensor] | None = None
+    linear: Callable[[Tensor, Weight], Tensor] = linear
 
 
 REFERENCE_OPS = LayerOps(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, qk_norm_rope_ref)
@@ -80,14 +96,17 @@ FUSED_OPS = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_rope, qk_norm_rop
 FUSED_OPS_SEPARATE_WRITE = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_rope)
 
 
-def layer_ops(device: torch.device, dtype: torch.dtype, kv_write: bool = True) -> LayerOps:
+def layer_ops(device: torch.device, dtype: torch.dtype, kv_write: bool = True,
+              small_m: bool = False) -> LayerOps:
     """The fused kernels where Triton runs (CUDA, or CPU under ``TRITON_INTERPRET=1``) and takes
     the dtype (bf16, fp32), else the references (the same maths, unfused). ``kv_write``: the
     KV-cache write folded into the q/k-norm + RoPE kernel (False: the backend writes, a kernel
-    of its own)."""
+    of its own). ``small_m``: the projections through ``linear_small_m`` (else F.linear)."""
     if not (triton_runs(device) and dtype in FUSED_DTYPES):
-        return REFERENCE_OPS
-    return FUSED_OPS if kv_write else FUSED_OPS_SEPARATE_WRITE
+        ops = REFERENCE_OPS
+    else:
+        ops = FUSED_OPS if kv_write else FUSED_OPS_SEPARATE_WRITE
+    return replace(ops, linear=linear_small_m) if small_m else ops
 
 
 def writes_in_kernel(backend: AttentionBackend, dtype: torch.dtype) -> bool:
@@ -96,14 +115,6 @@ def writes_in_kernel(backend: AttentionBackend, dtype: torch.dtype) -> bool:
     for bit what the backend's own write leaves). Dense torch caches and a cache of another dtype
     keep the backend's write."""
     return isinstance(backend, PagedTritonAttention) and backend.dtype == dtype
-
-
-Weight = nn.Parameter | Fp8Linear
-PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # the weights quantize_linears_ turns into FP8
-
-
-def linear(x: Tensor, w: Weight) -> Tensor:
-    return w(x) if isinstance(w, Fp8Linear) else F.linear(x, w)
 
 
 class RMSNorm(nn.Module):
@@ -144,12 +155,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttnMeta,
                 backend: AttentionBackend, layer: int, ops: LayerOps | None = None) -> Tensor:
         t = x.shape[0]  # x: [T, dim]
-        qkv = linear(x, self.wqkv)  # [T, (H + 2 Hkv) D]
+        ops = ops or REFERENCE_OPS
+        qkv = ops.linear(x, self.wqkv)  # [T, (H + 2 Hkv) D]
         qw = self.q_norm.weight if self.q_norm is not None else None
         kw = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         heads = (self.n_heads, self.n_kv_heads, self.head_dim)
-        ops = ops or REFERENCE_OPS
         if ops.qk_norm_rope_write is not None and writes_in_kernel(backend, qkv.dtype):
             paged = cast(PagedTritonAttention, backend)
             meta, k_cache, v_cache, slots = paged.write_target(layer, meta, t)
@@ -158,7 +169,7 @@ class Attention(nn.Module):
         else:
             q, k, v = ops.qk_norm_rope(qkv, *rope, qw, kw, eps, *heads)
             o = backend(layer, q, k, v, meta)  # [T, H, D]
-        return linear(o.reshape(t, self.n_heads * self.head_dim), self.wo)
+        return ops.linear(o.reshape(t, self.n_heads * self.head_dim), self.wo)
 
 
 class MLP(nn.Module):
@@ -169,7 +180,8 @@ class MLP(nn.Module):
         self.w2: Weight = _empty(args.dim, args.intermediate_size, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, ops: LayerOps | None = None) -> Tensor:
-        return linear((ops or REFERENCE_OPS).silu_mul(linear(x, self.w13)), self.w2)  # w13: [gate | up]
+        ops = ops or REFERENCE_OPS
+        return ops.linear(ops.silu_mul(ops.linear(x, self.w13)), self.w2)  # w13: [gate | up]
 
 
 class DecoderLayer(nn.Module):
@@ -188,19 +200,20 @@ class DecoderLayer(nn.Module):
 
 def run_layers(layers: Sequence[DecoderLayer], x: Tensor, rope: tuple[Tensor, Tensor], meta: AttnMeta,
                backend: AttentionBackend, norm: RMSNorm, fused: bool,
-               kv_write: bool = True) -> tuple[Tensor, Tensor]:
+               kv_write: bool = True, small_m: bool = False) -> tuple[Tensor, Tensor]:
     """x [T, dim] through ``layers`` -> (residual stream after the last layer, ``norm`` of it).
 
     Unfused: each layer as ``DecoderLayer.forward`` reads, then the norm. Fused: the residual is
     carried beside the normalised input, so each residual add is one kernel with the norm after
     it (the last one with ``norm``), and q/k-norm + RoPE and SiLU x mul are one kernel each, the
     KV-cache write inside the q/k-norm + RoPE kernel where ``kv_write`` and ``writes_in_kernel``
-    allow; the references stand in where Triton cannot run (CPU without its interpreter)."""
+    allow, and the projections through the small-M kernel where ``small_m``; the references
+    stand in where Triton cannot run (CPU without its interpreter)."""
     if not fused or not layers:
         for i, layer in enumerate(layers):
             x = layer(x, rope, meta, backend, i)
         return x, norm(x)
-    ops = layer_ops(x.device, x.dtype, kv_write)
+    ops = layer_ops(x.device, x.dtype, kv_write, small_m)
     residual, h = x, ops.rms_norm(x, layers[0].attn_norm.weight, layers[0].attn_norm.eps)
     for i, layer in enumerate(layers):
         a = layer.attn(h, rope, meta, backend, i, ops)
@@ -257,6 +270,9 @@ class Transformer(nn.Module):
         # less per layer (H200 qwen3-8b: 0.987-0.994x the step with the separate write,
         # benchmarks/fused_step.py)
         self.kv_write = True
+        # fused: the projections at 1..16 rows through the small-M Triton kernel (kernels/gemv.py)
+        # instead of F.linear; off until measured (benchmarks/gemm_check.py, triton_small_m)
+        self.small_m = False
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
@@ -286,6 +302,6 @@ class Transformer(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, dim]
         rope = self.rotary(positions, x.dtype)
         _, hidden = run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend, self.norm,
-                               self.fused, self.kv_write)
+                               self.fused, self.kv_write, self.small_m)
         logits = F.linear(hidden, self.head_weight)
         return (logits, hidden) if return_hidden else logits

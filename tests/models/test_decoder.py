@@ -344,3 +344,34 @@ def test_fused_drafter_proposes_what_the_unfused_one_does(cls, paged):
         for layer in range(2):
             for a, b in zip(fused.backend.kv(layer), plain.backend.kv(layer), strict=True):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_m_projections_track_f_linear(dtype, monkeypatch):
+    # model.small_m (off by default): the fused decoder's projections through the small-M kernel at
+    # 1..16 rows (bf16; fp32 stays on F.linear), the step otherwise the same
+    from spectune.kernels import gemv
+    from spectune.models import decoder
+
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16).linear is decoder.linear
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16, small_m=True).linear is decoder.linear_small_m
+    _, fused = fused_pair(dtype)
+    assert fused.small_m is False
+    calls = []
+    real = gemv.small_m_matmul
+    monkeypatch.setattr(gemv, "small_m_matmul", lambda x, w, *a: calls.append(w.shape) or real(x, w, *a))
+    meta = AttnMeta.from_lens([2, 1, 3], [8, 3, 5], max_q=3)
+    ids = torch.randint(1, TINY.vocab_size, (7,), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([8, 9, 3, 5, 6, 7, 0])
+    outs = []
+    for small_m in (False, True):
+        cache = fresh_cache(TINY.n_layers, 3, 8, 3, dtype=dtype)
+        cache.randomize_(torch.Generator().manual_seed(5))
+        fused.backend, fused.small_m = cache, small_m
+        outs.append(fused(ids, pos, meta))
+    want = 4 * TINY.n_layers if dtype == torch.bfloat16 else 0  # wqkv, wo, w13, w2 per layer
+    assert len(calls) == want
+    if dtype == torch.float32:
+        assert torch.equal(outs[1], outs[0])
+    else:
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=0.1, rtol=0.05)
