@@ -53,6 +53,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--target", default=None)
     p.add_argument("--tag", default="h200", help="file name suffix")
+    p.add_argument("--fused", action="store_true",
+                   help="the fused decoder layers (spectune bench --fused): serve a table profiled with them")
+    p.add_argument("--mixed-prefill", action="store_true", help="prompts inside the steps (spectune bench --mixed-prefill)")
     return p.parse_args(argv)
 
 
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(policy=args.policy, out=str(out / "unused.json"), concurrency=conc, prompts=prompts,
                          max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, device=args.device,
                          target=args.target, time_limit_s=args.time_limit, repeats=args.repeats, progress=False,
-                         predict_at_measured_accept=False)
+                         predict_at_measured_accept=False, fused=args.fused, mixed_prefill=args.mixed_prefill)
     jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json"), own.get(n, base)) for n in names]
     try:
         results = run_sources(config, jobs)

@@ -127,6 +127,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="folder with an earlier call's files: the profile's journal, the profile, the policies")
     p.add_argument("--deadline-s", type=float, default=540.0, help="end the call cleanly by then (default 540)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    p.add_argument("--fused", action="store_true",
+                   help="profile and bench the fused decoder layers (spectune profile/bench --fused); "
+                        "the files are named ...eagle-1l.fused")
     g = p.add_argument_group("profile (defaults: the shipped qwen3-8b bf16 profile)")
     g.add_argument("--batch-sizes", default="1-256")
     g.add_argument("--max-k", type=int, default=15)
@@ -209,10 +212,11 @@ def concurrency(text: str) -> list[int]:
     return cs
 
 
-def stem_for(slug: str, target: str, drafter: str, dtype: str) -> str:
-    """``nvidia-h200_qwen3-8b_eagle-1l`` as shipped; other dtypes than bf16 named: ``...eagle-1l.fp8``."""
+def stem_for(slug: str, target: str, drafter: str, dtype: str, fused: bool = False) -> str:
+    """``nvidia-h200_qwen3-8b_eagle-1l`` as shipped; other dtypes than bf16 named: ``...eagle-1l.fp8``;
+    the fused decoder's tables ``...eagle-1l.fused`` (``.fp8.fused``)."""
     name = Path(target).name or target
-    return f"{slug}_{name}_{drafter}" + ("" if dtype == "bfloat16" else f".{dtype}")
+    return f"{slug}_{name}_{drafter}" + ("" if dtype == "bfloat16" else f".{dtype}") + (".fused" if fused else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +290,7 @@ class Call:
         self.args, self.stages, self.facts = args, stages, facts
         self.started = started
         self.deadline = self.started + args.deadline_s
-        self.stem = stem_for(facts["slug"], args.target, args.drafter, args.dtype)
+        self.stem = stem_for(facts["slug"], args.target, args.drafter, args.dtype, args.fused)
         label = (Path(args.target).name or args.target) + ("" if args.dtype == "bfloat16" else f"-{args.dtype}")
         self.conc = concurrency(args.concurrency)
         self.bench_tag = f"{label}_c{'-'.join(map(str, self.conc))}"
@@ -377,7 +381,7 @@ class Call:
         cmd = self.spectune("profile", "--target", a.target, "--drafter", a.drafter, "--dtype", a.dtype,
                             "--batch-sizes", a.batch_sizes, "--max-k", str(a.max_k), "--context-len",
                             str(a.context_len), "--out", str(self.profile), "--no-progress",
-                            *(["--device", a.device] if a.device else []),
+                            *(["--device", a.device] if a.device else []), *(["--fused"] if a.fused else []),
                             *(["--trials", str(a.trials)] if a.trials is not None else []))
         res = run_cmd(cmd, self.work / "logs" / "profile.log", self.deadline)
         res["journal_restored_from"] = restored
@@ -429,7 +433,7 @@ class Call:
                "--policy", str(policy), "--concurrency", ",".join(map(str, self.conc)), "--repeats", str(a.repeats),
                "--prompt-len", str(a.prompt_len), "--max-new-tokens", str(a.max_new_tokens),
                "--time-limit", str(a.time_limit), "--tag", self.bench_tag,
-               *(["--device", a.device] if a.device else []),
+               *(["--device", a.device] if a.device else []), *(["--fused"] if a.fused else []),
                *(["--prompts", str(a.prompts)] if a.prompts is not None else [])]
         res = run_cmd(cmd, self.work / "logs" / "bench.log", self.deadline)
         rows_file = bench_dir / f"bench_heldout_{a.source}_{self.bench_tag}.json"

@@ -236,6 +236,19 @@ def test_targets_tables_fp8_profile_and_tune_on_cpu(tmp_path):
     assert mod.stem_for("nvidia-h200", "qwen3-8b", "eagle-1l", "bfloat16") == "nvidia-h200_qwen3-8b_eagle-1l"
 
 
+@pytest.mark.slow
+def test_targets_tables_fused_profiles_the_fused_decoder_under_its_own_name(tmp_path):
+    from spectune.runtime.table import read_table
+
+    mod = load("targets_tables")
+    assert mod.main([*TINY, "--dtype", "float32", "--stage", "profile", "--fused", "--out-dir", str(tmp_path)]) == 0
+    stem = "cpu_tiny_eagle-1l.float32.fused"
+    assert mod.stem_for("cpu", "tiny", "eagle-1l", "float32", fused=True) == stem
+    res = json.loads((tmp_path / "targets_tables_tiny-float32_profile.json").read_text())
+    assert res["stem"] == stem and " --fused" in res["stages"]["profile"]["command"]
+    assert read_table(tmp_path / f"{stem}.yaml").workload.attention.endswith("+fused")
+
+
 @pytest.mark.parametrize("bad, field", [
     (["--target", "no-such-model"], "--target"),
     (["--target", "tiny", "--stage", "profile,nope"], "--stage"),

@@ -37,13 +37,18 @@ def test_heldout_script_writes_one_results_file_per_source(tmp_path, capsys):
     assert (out / "heldout_summary_cpu.json").exists()
 
 
-def test_a_source_can_run_at_its_own_concurrencies(tmp_path, capsys):
+def short_run(tmp_path, sources, concurrency, prompts, *extra):
+    """(main, argv, out folder) of a one-repeat CPU run of the script on a tiny policy."""
     policy = write_policy(tmp_path / "p.yaml")
-    main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "out"
-    argv = ["--sources", "low@1/2,high", "--out", str(out), "--policy", str(policy), "--concurrency", "1",
-            "--repeats", "1", "--prompt-len", "5", "--max-new-tokens", "4", "--prompts", "2", "--device", "cpu",
-            "--tag", "cpu", "--time-limit", "60"]
+    argv = ["--sources", sources, "--out", str(out), "--policy", str(policy), "--concurrency", concurrency,
+            "--repeats", "1", "--prompt-len", "5", "--max-new-tokens", "4", "--prompts", str(prompts),
+            "--device", "cpu", "--tag", "cpu", *extra]
+    return runpy.run_path(str(SCRIPT))["main"], argv, out
+
+
+def test_a_source_can_run_at_its_own_concurrencies(tmp_path, capsys):
+    main, argv, out = short_run(tmp_path, "low@1/2,high", "1", 2, "--time-limit", "60")
     assert main(argv) == 0
     low = json.loads((out / "bench_heldout_low_cpu.json").read_text())
     high = json.loads((out / "bench_heldout_high_cpu.json").read_text())
@@ -51,3 +56,12 @@ def test_a_source_can_run_at_its_own_concurrencies(tmp_path, capsys):
     assert {r["concurrency"] for r in high["rows"]} == {1}
     assert main([*argv[:1], "low@1/x", *argv[2:]]) == 2
     assert "concurrencies must be integers" in capsys.readouterr().err
+
+
+def test_the_engine_switches_reach_the_bench(tmp_path):
+    # --fused / --mixed-prefill: the served engine is the one a table was profiled with
+    main, argv, out = short_run(tmp_path, "low", "2", 3, "--fused", "--mixed-prefill")
+    assert main(argv) == 0
+    res = json.loads((out / "bench_heldout_low_cpu.json").read_text())
+    assert res["header"]["fused"] is True and res["header"]["mixed_prefill"] is True
+    assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] == 3 * 5 for r in res["rows"])
