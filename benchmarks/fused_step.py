@@ -55,7 +55,7 @@ from spectune.models.config import ModelArgs, ModelError, resolve_target  # noqa
 from spectune.models.decoder import Transformer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
+from probe_common import first_line, say, sizes  # noqa: E402  (the probes' shared helpers)
 
 
 def count_kernels(run: Callable[[], object], device: torch.device) -> int | None:
@@ -296,16 +296,6 @@ def print_table(result: dict[str, Any]) -> None:
         say(f"{b:>6} " + " ".join(f"{c:>16}" for c in cells) + f" {ratios[0]:>15} {ratios[1]:>18}")
 
 
-def parse_batches(text: str) -> list[int]:
-    try:
-        batches = sorted({int(b) for b in text.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"--batches: cannot read {text!r} (e.g. 1,32,128)") from None
-    if not batches or batches[0] < 1:
-        raise SystemExit("--batches: sizes must be >= 1")
-    return batches
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b", help="target preset (default qwen3-8b)")
@@ -328,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args(argv)
-    batches = parse_batches(args.batches)
+    batches = sizes(args.batches, "--batches", "1,32,128", "sizes")
     if args.context_len < 1:
         raise SystemExit("--context-len: must be >= 1")
     device = torch.device(args.device)

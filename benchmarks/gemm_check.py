@@ -73,7 +73,7 @@ from spectune.models.build import StepFn
 from spectune.models.config import ModelArgs, ModelError, projection_shapes, resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
+from probe_common import first_line, say, sizes  # noqa: E402  (the probes' shared helpers)
 
 DEFAULT_MS = "1,2,4,8,16,32,64"
 ARMS = ("matmul", "linear", "linear_lt", "fp8", "triton_small_m")
@@ -264,16 +264,6 @@ def write_sweep_table(result: dict[str, Any], device: torch.device, path: Path) 
     say(f"wrote {path}")
 
 
-def parse_ms(text: str) -> list[int]:
-    try:
-        ms = sorted({int(m) for m in text.split(",") if m.strip()})
-    except ValueError:
-        raise SystemExit(f"--ms: cannot read {text!r} (e.g. 1,2,4,8)") from None
-    if not ms or ms[0] < 1:
-        raise SystemExit("--ms: row counts must be >= 1")
-    return ms
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b", help="target preset (default qwen3-8b)")
@@ -287,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time every candidate config of the small-M kernel at M <= 16 and "
                          "write the winners per shape to gemv_configs.json")
     args = ap.parse_args(argv)
-    ms = parse_ms(args.ms)
+    ms = sizes(args.ms, "--ms", "1,2,4,8", "row counts")
     for flag, value in (("--flush-mib", args.flush_mib), ("--read-mib", args.read_mib)):
         if value < 1:
             raise SystemExit(f"{flag}: must be >= 1")

@@ -56,7 +56,7 @@ from spectune.models.config import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_common import first_line, say  # noqa: E402  (the probes' shared printing)
+from probe_common import first_line, say  # noqa: E402  (the probes' shared helpers)
 
 DEFAULT_TARGETS = "qwen3-8b,qwen3-8b:fp8,qwen3-32b,llama-3.1-8b"
 GEMM_SHAPES = {
