@@ -12,6 +12,10 @@ tokens of KV per request) is timed at q = 1 for each batch size with the profile
   fused_kv  ``model.kv_write = True`` (the default of ``fused``): the KV-cache write inside
             the q/k-norm + RoPE kernel (``kernels.fused.qk_norm_rope_write``), one launch less per
             layer (only with paged Triton attention: ``--attention torch`` makes it ``fused``)
+  fused_small_m  ``fused_kv`` with the projections at 1..16 rows through the small-M Triton
+            linear (``model.small_m``, ``kernels/gemv.py``; its configs from
+            ``SPECTUNE_GEMV_CONFIGS`` or the GPU's shipped table, else the heuristic); above 16 rows
+            it is F.linear, as in ``fused_kv``
   compiled  the yardstick: a decoder of this script's own over the same weights, one layer
             function ``torch.compile``'d (static shapes, one graph per batch size, reused by every
             layer), folded-GQA SDPA over a dense static KV of context + 1 slots per request, the
@@ -174,12 +178,13 @@ def compiled_step(
 # points
 
 
-ARMS = ("unfused", "fused", "fused_kv")  # the decoder's own arms, beside "compiled"
+ARMS = ("unfused", "fused", "fused_kv", "fused_small_m")  # the decoder's own arms, beside "compiled"
 
 
 def set_arm(model: Transformer, arm: str) -> None:
     model.fused = arm != "unfused"
-    model.kv_write = arm == "fused_kv"
+    model.kv_write = arm in ("fused_kv", "fused_small_m")
+    model.small_m = arm == "fused_small_m"
 
 
 def check_fused(
@@ -211,6 +216,11 @@ def check_fused(
             "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
         }
     out["fused_kv_equals_fused"] = bool(torch.equal(logits["fused_kv"], logits["fused"]))
+    got, kv = logits["fused_small_m"], logits["fused_kv"]  # another fp32 sum order: close, not equal
+    out["fused_small_m_vs_fused_kv"] = {
+        "max_abs_diff": float((got - kv).abs().max()),
+        "argmax_agree": float((got.argmax(-1) == kv.argmax(-1)).float().mean()),
+    }
     return out
 
 
@@ -281,7 +291,7 @@ def print_table(result: dict[str, Any]) -> None:
     say(
         f"{'batch':>6} "
         + " ".join(f"{a:>16}" for a in arms)
-        + f" {'fused_kv/fused':>15} {'fused_kv/compiled':>18}"
+        + f" {'fused_kv/fused':>15} {'fused_kv/compiled':>18} {'small_m/fused_kv':>17}"
     )
     for b in result["batches"]:
         cells, ms = [], {}
@@ -293,7 +303,10 @@ def print_table(result: dict[str, Any]) -> None:
             f"{ms['fused_kv'] / ms[other]:.3f}" if ms["fused_kv"] and ms[other] else "-"
             for other in ("fused", "compiled")
         ]
-        say(f"{b:>6} " + " ".join(f"{c:>16}" for c in cells) + f" {ratios[0]:>15} {ratios[1]:>18}")
+        sm = ms["fused_small_m"]
+        ratios.append(f"{sm / ms['fused_kv']:.3f}" if sm and ms["fused_kv"] else "-")
+        say(f"{b:>6} " + " ".join(f"{c:>16}" for c in cells)
+            + f" {ratios[0]:>15} {ratios[1]:>18} {ratios[2]:>17}")
 
 
 def main(argv: list[str] | None = None) -> int:
