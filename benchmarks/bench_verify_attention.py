@@ -21,7 +21,14 @@ writes the per-bucket winners in the table format ``attention.py`` loads
 timing (``$OUT/attention_sweep.json``); then runs the comparison table with the new winners.
 Kernels are compiled up front by a pool of processes into Triton's on-disk cache (``--jobs``).
 
+The candidates include the kernel's loop variants ("qk_ahead", "halves", and a register cap for a
+third program per SM; ``attention_configs.variant_configs``) from 32 query rows up; the sweep then
+prints, per point, the best base-loop config next to the best variant config (us, /q1, % of copy)
+and stores that comparison in ``attention_sweep.json``. ``--qs``, ``--contexts``,
+``--sweep-batches`` and ``--batches`` restrict the grid; ``--out-dir`` overrides $OUT.
+
     python benchmarks/bench_verify_attention.py [--sweep] [--no-table] [--jobs 8]
+    python benchmarks/bench_verify_attention.py --sweep --no-table --qs 1,16 --sweep-batches 64,256 --jobs 16
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -84,6 +92,14 @@ KV_FLOOR_GBS = 4300.0  # H200 KV-read floor used by the shared reference data
 TOL = 1e-2  # max |err| / max |ref| of a bf16 result
 GOAL_SHAPE = 64 * 2048  # batch x context from which the goals apply
 GOAL_Q16_OVER_Q1, GOAL_PCT_OF_COPY = 1.10, 90.0
+
+
+class Grid(NamedTuple):
+    """The shapes one run covers (``--contexts``, ``--batches``, ``--sweep-batches``, ``--qs``)."""
+    contexts: tuple[int, ...] = CONTEXTS
+    batches: tuple[int, ...] = BATCHES  # comparison table
+    sweep_batches: tuple[int, ...] = SWEEP_BATCHES
+    qs: tuple[int, ...] = Q_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +221,10 @@ def check_correctness() -> dict:
         "triton_split1": lambda: verify_attention(q, k_cache, v_cache, meta, num_splits=1),
         "triton_m32x2": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(32, 2, 3, block_m=32)),
         "triton_m128": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(64, 8, 2, block_m=128)),
+        "triton_qk_ahead": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(
+            32, 4, 2, block_m=64, variant="qk_ahead", max_regs=168)),
+        "triton_halves_split3": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(
+            64, 2, 2, block_m=64, num_splits=3, variant="halves")),
         "sdpa_gqa": lambda: verify_attention_sdpa_gqa(q, k_cache, v_cache, meta),
         "folded": lambda: verify_attention_folded(q, k_cache, v_cache, meta),
     }
@@ -222,7 +242,8 @@ def check_correctness() -> dict:
 def _compile_key(q_tok: int, cfg: AttnConfig) -> tuple:
     plan = plan_launch(torch.device("cpu"), num_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
                        batch=1, max_q=q_tok, max_kv_len=8192, config=cfg)
-    return plan.block_m, plan.m_tiles, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits > 1
+    return (plan.block_m, plan.m_tiles, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits > 1,
+            cfg.variant, cfg.max_regs)
 
 
 def _precompile_worker(jobs: list[tuple[int, AttnConfig]]) -> int:
@@ -258,26 +279,26 @@ def precompile(points: list[tuple[int, AttnConfig]], jobs: int) -> None:
         print(f"precompile skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-def sweep_points(num_sms: int) -> list[tuple[int, int, int, list[AttnConfig]]]:
+def sweep_points(num_sms: int, grid: Grid) -> list[tuple[int, int, int, list[AttnConfig]]]:
     points = []
-    for ctx in CONTEXTS:
+    for ctx in grid.contexts:
         max_kv_len = -(-(ctx + MAX_Q) // BLOCK_SIZE) * BLOCK_SIZE
-        for batch in SWEEP_BATCHES:
-            for q_tok in Q_TOKENS:
+        for batch in grid.sweep_batches:
+            for q_tok in grid.qs:
                 cands = candidate_configs(GROUP * q_tok, HEAD_DIM, batch * N_KV_HEADS, max_kv_len, num_sms)
                 points.append((ctx, batch, q_tok, cands))
     return points
 
 
-def run_sweep(num_sms: int, jobs: int) -> tuple[list[SweepTiming], list[dict]]:
-    points = sweep_points(num_sms)
+def run_sweep(num_sms: int, jobs: int, grid: Grid) -> tuple[list[SweepTiming], list[dict]]:
+    points = sweep_points(num_sms, grid)
     print(f"\nsweep: {sum(len(c) for *_, c in points)} candidate timings over {len(points)} points")
     precompile([(q, c) for _, _, q, cands in points for c in cands], jobs)
     timings: list[SweepTiming] = []
     records: list[dict] = []
     print(f"{'ctx':>5} {'batch':>5} {'q':>3} {'cands':>5} {'best':>26} {'best_us':>8} {'default_us':>10} {'gain':>5} failed")
-    for ctx in CONTEXTS:
-        for batch in SWEEP_BATCHES:
+    for ctx in grid.contexts:
+        for batch in grid.sweep_batches:
             backend, tables = make_cache(ctx, batch)
             k_cache, v_cache = backend.kv(0)
             k_dense, v_dense = (t.contiguous() for t in gather_dense_kv(k_cache, v_cache, tables))
@@ -316,6 +337,7 @@ def run_sweep(num_sms: int, jobs: int) -> tuple[list[SweepTiming], list[dict]]:
                 rows, programs = GROUP * q_tok, batch * N_KV_HEADS
                 timings += [SweepTiming(HEAD_DIM, rows, programs, ctx, cfg, ms) for cfg, ms in times.items()]
                 records.append({"ctx": ctx, "batch": batch, "q": q_tok, "rows": rows, "programs": programs,
+                                "kv_bytes": batch * (ctx + q_tok) * N_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size(),
                                 "default_ms": default_ms, "best": asdict(best), "best_ms": times[best],
                                 "failed": failed,
                                 "timings": [{**asdict(cfg), "ms": ms if math.isfinite(ms) else None}
@@ -329,7 +351,50 @@ def run_sweep(num_sms: int, jobs: int) -> tuple[list[SweepTiming], list[dict]]:
     return timings, records
 
 
-def winners_table(timings: list[SweepTiming], name: str, num_sms: int, capability: tuple[int, int]) -> ConfigTable:
+def variant_summary(records: list[dict], copy_gbs: float) -> list[dict]:
+    """Per swept point: the best base-loop config and the best loop-variant config (``variant`` or
+    ``max_regs`` set), each with ms, time / the best q = 1 time of the same (ctx, batch) over all
+    candidates, and KV-read bandwidth as % of copy bandwidth."""
+    def best_of(timings: list[dict]) -> dict | None:
+        ok = [t for t in timings if t["ms"] is not None]
+        return min(ok, key=lambda t: t["ms"]) if ok else None
+
+    q1 = {(r["ctx"], r["batch"]): r["best_ms"] for r in records if r["q"] == 1}
+    out = []
+    for r in records:
+        row = {"ctx": r["ctx"], "batch": r["batch"], "q": r["q"]}
+        for kind, pick in (("base", lambda t: t["variant"] == "base" and not t["max_regs"]),
+                           ("variant", lambda t: t["variant"] != "base" or bool(t["max_regs"]))):
+            best = best_of([t for t in r["timings"] if pick(t)])
+            if best is None:
+                row[kind] = None
+                continue
+            cfg = AttnConfig(**{k: best[k] for k in best if k != "ms"})
+            ref = q1.get((r["ctx"], r["batch"]))
+            row[kind] = {"config": cfg.short(), "ms": best["ms"], "over_q1": best["ms"] / ref if ref else None,
+                         "pct_of_copy": 100.0 * r["kv_bytes"] / (best["ms"] * 1e-3) / 1e9 / copy_gbs}
+        out.append(row)
+    return out
+
+
+def print_variant_summary(summary: list[dict]) -> None:
+    def cell(x: dict | None) -> str:
+        if x is None:
+            return f"{'-':>40} {'':>8} {'':>5} {'':>6}"
+        over = f"{x['over_q1']:>5.2f}" if x["over_q1"] is not None else f"{'n/a':>5}"
+        return f"{x['config']:>40} {x['ms'] * 1e3:>8.1f} {over} {x['pct_of_copy']:>6.1f}"
+
+    print(f"\nbase loop vs loop variants (/q1: over the best q=1 time of the same ctx x batch; %copy of the "
+          f"best copy bandwidth); goal at batch x ctx >= 64 x 2048: q16 <= {GOAL_Q16_OVER_Q1:.2f} x q1, "
+          f">= {GOAL_PCT_OF_COPY:.0f}% of copy")
+    print(f"{'ctx':>5} {'batch':>5} {'q':>3} {'best base':>40} {'us':>8} {'/q1':>5} {'%copy':>6} "
+          f"{'best variant':>40} {'us':>8} {'/q1':>5} {'%copy':>6}")
+    for r in summary:
+        print(f"{r['ctx']:>5} {r['batch']:>5} {r['q']:>3} {cell(r['base'])} {cell(r['variant'])}")
+
+
+def winners_table(timings: list[SweepTiming], name: str, num_sms: int, capability: tuple[int, int],
+                  contexts: tuple[int, ...] = CONTEXTS) -> ConfigTable:
     """Sweep winners plus heuristic entries for the row counts the sweep did not reach."""
     entries = pick_winners(timings)
     swept = {e.rows for e in entries}
@@ -337,7 +402,7 @@ def winners_table(timings: list[SweepTiming], name: str, num_sms: int, capabilit
     extra = [TableEntry(HEAD_DIM, rows, p, heuristic_config(rows, HEAD_DIM, capability))
              for rows in (128, 256) if rows not in swept for p in programs]
     source = (f"bench_verify_attention.py --sweep, torch {torch.__version__}, triton {triton.__version__}, "
-              f"{time.strftime('%Y-%m-%d')}; rows {sorted(swept)} swept at contexts {list(CONTEXTS)}, "
+              f"{time.strftime('%Y-%m-%d')}; rows {sorted(swept)} swept at contexts {list(contexts)}, "
               f"rows 128/256 heuristic")
     return ConfigTable(name, num_sms, tuple(entries + extra), source)
 
@@ -346,12 +411,13 @@ def winners_table(timings: list[SweepTiming], name: str, num_sms: int, capabilit
 # Comparison table
 
 
-def run_shape(ctx: int, batch: int, table: ConfigTable | None, num_sms: int) -> list[dict]:
+def run_shape(ctx: int, batch: int, table: ConfigTable | None, num_sms: int,
+              q_tokens: tuple[int, ...] = Q_TOKENS) -> list[dict]:
     backend, tables = make_cache(ctx, batch)
     k_cache, v_cache = backend.kv(0)
     k_dense, v_dense = (t.contiguous() for t in gather_dense_kv(k_cache, v_cache, tables))
     rows = []
-    for q_tok in Q_TOKENS:
+    for q_tok in q_tokens:
         q, meta = make_step(backend, tables, [q_tok] * batch, [ctx] * batch)
         cfg = table.lookup(HEAD_DIM, GROUP * q_tok, batch * N_KV_HEADS, num_sms) if table else None
         plan = plan_launch(q.device, num_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, batch=batch,
@@ -412,9 +478,33 @@ def print_table(rows: list[dict], copy: dict[str, float]) -> None:
 # Main
 
 
-def out_dir() -> Path:
-    out = os.environ.get("OUT")
+def out_dir(override: str | None = None) -> Path:
+    out = override or os.environ.get("OUT")
     return Path(out) if out else Path(__file__).resolve().parent / "results"
+
+
+def int_list(text: str, name: str, lo: int, hi: int) -> tuple[int, ...]:
+    """``"1,16"`` -> (1, 16); anything else is a one-line error naming the option."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{name}: must be a comma-separated list of integers, got {text!r}") from None
+    bad = [v for v in values if not lo <= v <= hi]
+    if bad:
+        raise SystemExit(f"{name}: values must be in {lo}..{hi}, got {bad[0]}")
+    return values
+
+
+def grid_from_args(args: argparse.Namespace) -> Grid:
+    grid = Grid(
+        contexts=int_list(args.contexts, "--contexts", 1, 1 << 20) if args.contexts else CONTEXTS,
+        batches=int_list(args.batches, "--batches", 1, 4096) if args.batches else BATCHES,
+        sweep_batches=int_list(args.sweep_batches, "--sweep-batches", 1, 4096) if args.sweep_batches else SWEEP_BATCHES,
+        qs=int_list(args.qs, "--qs", 1, MAX_Q) if args.qs else Q_TOKENS,
+    )
+    if 1 not in grid.qs:
+        raise SystemExit("--qs: must include 1 (times are reported relative to q = 1)")
+    return grid
 
 
 def write_json(path: Path, data: object) -> None:
@@ -429,11 +519,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-table", action="store_true", help="skip the triton / sdpa / folded comparison")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes compiling the sweep's kernels up front (0 or 1: compile on first use)")
+    ap.add_argument("--qs", help=f"query tokens per request, comma-separated (default {Q_TOKENS}; must include 1)")
+    ap.add_argument("--contexts", help=f"context lengths, comma-separated (default {CONTEXTS})")
+    ap.add_argument("--batches", help=f"batches of the comparison table (default {BATCHES})")
+    ap.add_argument("--sweep-batches", help=f"batches of the sweep (default {SWEEP_BATCHES})")
+    ap.add_argument("--out-dir", help="where the JSON results go (default $OUT, else benchmarks/results)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    grid = grid_from_args(args)
+    out = out_dir(args.out_dir)
     if not torch.cuda.is_available():
         print("bench_verify_attention: needs a CUDA device", file=sys.stderr)
         return 1
@@ -452,29 +549,32 @@ def main(argv: list[str] | None = None) -> int:
     table = None
     if args.sweep:
         sweep_began = time.perf_counter()
-        timings, records = run_sweep(sms, args.jobs)
-        table = winners_table(timings, props.name, sms, capability)
+        timings, records = run_sweep(sms, args.jobs, grid)
+        table = winners_table(timings, props.name, sms, capability, grid.contexts)
         sweep_s = time.perf_counter() - sweep_began
         print(f"\nsweep took {sweep_s:.0f} s; winners per bucket (rows = {GROUP} x q, programs = batch x {N_KV_HEADS}):")
         for e in table.entries:
             print(f"  rows {e.rows:>3} programs {e.programs:>5}: {e.config.short()}")
-        write_json(out_dir() / "attention_sweep.json", {
+        summary = variant_summary(records, copy_gbs)
+        print_variant_summary(summary)
+        write_json(out / "attention_sweep.json", {
             "device": props.name, "sm_count": sms, "torch": torch.__version__, "triton": triton.__version__,
             "method": f"CUDA-graph replay, median of {SWEEP_REPS}; each candidate checked against folded SDPA",
-            "seconds": sweep_s, "points": records})
-        path = out_dir() / "attention_configs.json"
+            "grid": grid._asdict(), "copy_bandwidth_gbs": copy_gbs, "seconds": sweep_s,
+            "base_vs_variants": summary, "points": records})
+        path = out / "attention_configs.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, table.to_json())
         print(f"wrote {path} (ship as spectune/kernels/configs/{props.name.replace(' ', '_')}.json)")
     if args.no_table:
         return 0
     rows = []
-    for ctx in CONTEXTS:
-        for batch in BATCHES:
-            rows += run_shape(ctx, batch, table, sms)
+    for ctx in grid.contexts:
+        for batch in grid.batches:
+            rows += run_shape(ctx, batch, table, sms, grid.qs)
     summarize(rows, copy_gbs)
     print_table(rows, copy)
-    write_json(out_dir() / "verify_attention_h200.json", {
+    write_json(out / "verify_attention_h200.json", {
         "device": props.name, "sm_count": sms, "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM,
                   "dtype": str(DTYPE).removeprefix("torch."), "block_size": BLOCK_SIZE},
