@@ -1,6 +1,7 @@
 """CPU microbenchmark of the planner's host time: ``plan()`` alone over every batch size, and a
-server step (``plan`` + ``observe`` of K-position counters, the controller deciding every
-``decide_every`` steps) at K = 15 with acceptance that shifts, so the controller works."""
+server step (``plan`` + ``observe`` of K-position counters + ``observe_time`` of the step's
+measured time, the controller deciding every ``decide_every`` steps) at K = 15 with acceptance
+that shifts, so the controller works, and step times 5 % off the cost model for every other K."""
 
 from __future__ import annotations
 
@@ -50,11 +51,15 @@ def step_us(planner: Planner, steps: int, batch_sizes: list[int]) -> tuple[float
         a = 0.9 if (j // 16) % 2 == 0 else 0.3
         tested = [32.0 * a ** i for i in range(k)]
         counters.append(([t * a for t in tested], tested))
-    plan, observe = planner.plan, planner.observe
+    plan, observe, observe_time = planner.plan, planner.observe, planner.observe_time
+    model = planner._model_ms
     t0 = time.perf_counter()
     for i in range(steps):
-        plan(batch_sizes[i % len(batch_sizes)])
+        b = batch_sizes[i % len(batch_sizes)]
+        p = plan(b)
         observe(*counters[i % 64])
+        ms = model[b].get(p, 10.0) if 0 < b <= planner.max_batch else 10.0
+        observe_time(b, p, ms * (1.05 if p.k % 2 else 1.0))
     us = (time.perf_counter() - t0) / steps * 1e6
     return us, len(planner.choices())
 
@@ -75,10 +80,10 @@ def main() -> None:
     steps = max(1000, args.calls // 10)
     fixed_b, fixed_changed = step_us(planner, steps, [min(32, planner.max_batch)])
     var_b, var_changed = step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)])
-    print(f"{'what':<44} {'us':>8}")
-    print(f"{'plan() per call':<44} {us:>8.3f}")
-    print(f"{'plan+observe per step, batch 32, K<=15':<44} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
-    print(f"{'plan+observe per step, batch varies':<44} {var_b:>8.3f}   ({var_changed} plans moved)")
+    print(f"{'what':<52} {'us':>8}")
+    print(f"{'plan() per call':<52} {us:>8.3f}")
+    print(f"{'plan+observe+observe_time per step, batch 32, K<=15':<52} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
+    print(f"{'plan+observe+observe_time per step, batch varies':<52} {var_b:>8.3f}   ({var_changed} plans moved)")
     out = Path(__file__).parent / "results" / "bench_planner.json"
     out.parent.mkdir(exist_ok=True)
     atomic_write_text(out, json.dumps({"calls": args.calls, "us_per_call": us, "max_batch": planner.max_batch,

@@ -11,6 +11,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from spectune import __version__
 from spectune.cli_support import (
@@ -600,8 +601,27 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-planner", action="store_true",
                    help="auto: one planner, trained by a first untimed run, serves every seed (what "
                         "`spectune bench` does with --repeats) instead of a fresh planner per run")
+    p.add_argument("--served-cost", default=None, metavar="PROFILE",
+                   help="play the GPU's step times from this profile's cost model (same target and "
+                        "drafter, e.g. a re-profile), while the policy plans with its own: what the "
+                        "controller does where its table's cost model is off")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_simulate)
+
+
+def _served_cost(path: str | None, table: Any) -> Any:
+    """``--served-cost``: the cost model of another profile of the table's target and drafter."""
+    if path is None:
+        return None
+    from spectune.runtime.costs import CostModel
+    from spectune.runtime.table import read_table
+
+    other = read_table(path)
+    for field in ("target", "drafter", "max_k"):
+        mine, theirs = getattr(table.workload, field), getattr(other.workload, field)
+        if mine != theirs:
+            raise UsageError(f"--served-cost {path}: workload.{field} is {theirs!r}, the policy's is {mine!r}")
+    return CostModel.of(other)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -628,16 +648,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
     what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats,
-                  shared=args.shared_planner)
+                  shared=args.shared_planner, served_cost=_served_cost(args.served_cost, planner.table))
     if args.decode_tokens is not None:
         what = dataclasses.replace(what, decode_tokens=args.decode_tokens)
     if args.requests is not None:
         what = dataclasses.replace(what, requests=lambda c: args.requests)
     out = simulate_table(what, concurrency, arms)
+    out["served_cost"] = args.served_cost
     if args.json:
         print(json.dumps(out))
         return 0
     print(f"served: {out['acceptance']}\ntuned on: {out['tuned_acceptance']}")
+    if args.served_cost is not None:
+        print(f"step times served from: {args.served_cost}")
     print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'full':>10} {'vs best':>8} {'ITL p50':>8} "
           f"{'p99':>8} {'accept':>7}  k_hist   (full: the steps at full concurrency)")
     for r in out["rows"]:

@@ -293,7 +293,7 @@ def _verify(run: _Run, batch: _Batch, k: int, granted: np.ndarray, rates: np.nda
 
 
 def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accepted: np.ndarray,
-             full: bool) -> None:
+             full: bool) -> float:
     assert plan.tier is not None
     b = len(batch.req)
     emitted = np.minimum(accepted + 1, batch.remaining)
@@ -314,6 +314,7 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
     tally.slot_steps += b
     batch.remaining = batch.remaining - emitted
     batch.made = batch.made + emitted
+    return ms
 
 
 def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, step: int) -> int:
@@ -384,7 +385,10 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     "oracle"; ``prior`` [max_k]: the population rates used while the policy has no ``rates``
     (default: the mean curve of ``acceptance``). ``policy_fn.observe`` (if any) gets each step's
     acceptance counters one step late: accepted and tested drafts per position (a draft is tested
-    when it was granted and every draft before it was accepted).
+    when it was granted and every draft before it was accepted), and ``policy_fn.observe_time``
+    (if any) each step's (batch, plan, ms) one step late. ``cost`` is the served GPU's: a planner
+    built on another table's cost model (``spectune simulate --served-cost``) sees what its model
+    does not know through those times.
     """
     if concurrency < 1:
         raise SpectuneError(f"concurrency must be >= 1, got {concurrency}")
@@ -410,9 +414,13 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
     batch, tally = _start_batch(run, concurrency), _Tally()
     next_req, pending = len(batch.req), None
     observe = getattr(run.policy, "observe", None)
+    observe_time = getattr(run.policy, "observe_time", None)
+    timed: tuple[int, Plan, float] | None = None
     for step in range(run.steps):
         if pending is not None and observe is not None:
             observe(*pending)
+        if timed is not None and observe_time is not None:
+            observe_time(*timed)  # the step's time under the served cost model, one step late
         b = len(batch.req)
         plan = run.policy.plan(b)
         if plan.tier is None or plan.tier < b + plan.verify_budget:
@@ -424,7 +432,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             rates = _live_rates(run)
             granted = _allocate(run, batch, k, min(plan.verify_budget, b * k), rates)
             accepted, pending = _verify(run, batch, k, granted, rates)
-        _account(run, tally, batch, plan, k, accepted, b == concurrency)
+        timed = (b, plan, _account(run, tally, batch, plan, k, accepted, b == concurrency))
         next_req = _retire_and_refill(run, tally, batch, next_req, step + 1)
         if len(batch.req) == 0 or (run.requests is not None and tally.done >= run.requests):
             break

@@ -192,6 +192,7 @@ class WhatIf:
     seed: int = 0
     shared: bool = False  # auto: one planner for every seed, trained first by an untimed run of the
     # first seed (the bench's protocol, ``engine.bench.train_online``); else a fresh one per run
+    served_cost: CostModel | None = None  # the GPU's step times (default: the table's own cost model)
 
 
 def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str] | None) -> dict[str, Any]:
@@ -200,15 +201,16 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     table = planner.table
     max_k = min(planner.k_hi, what.acceptance.max_k)
     prior = tuned_prior(table)
+    served = what.served_cost if what.served_cost is not None else planner.cost
     rows: list[dict[str, Any]] = []
     for c in concurrency:
         work = dict(concurrency=c, requests=what.requests(c), decode_tokens=what.decode_tokens,
                     context_len=planner.cost.context_len, drift=what.drift, prior=prior,
                     seeds=range(what.seed, what.seed + what.repeats))
-        best = best_fixed_k(planner.cost, what.acceptance, max_k, **work)
+        best = best_fixed_k(served, what.acceptance, max_k, **work)
         chosen = arms if arms is not None else default_arms(max_k, best)
         here = []
-        trained = _trained_planner(what, planner.cost, work) if what.shared else None
+        trained = _trained_planner(what, served, work) if what.shared else None
         for arm in chosen:
             k = parse_arm(arm)
 
@@ -217,16 +219,16 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                     return FixedK(k)
                 return trained if trained is not None else what.make_planner()
 
-            p = predict_arm(planner.cost, what.acceptance, make, **work)
+            p = predict_arm(served, what.acceptance, make, **work)
             here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
                          "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,
                          "itl_p99_ms": p.itl_p99_ms, "k_hist": {str(k): n for k, n in p.k_hist.items()},
                          "requests": work["requests"], "best_fixed_k": best})
         _ratio_to_best_other(here)
         rows += here
-    served = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
+    source = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
     tuned = table.acceptance.get("source") if table.acceptance else None
-    return {"rows": rows, "acceptance": served, "tuned_acceptance": tuned, "drift": what.drift is not None,
+    return {"rows": rows, "acceptance": source, "tuned_acceptance": tuned, "drift": what.drift is not None,
             "context_len": planner.cost.context_len, "repeats": what.repeats}
 
 

@@ -10,7 +10,9 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             forward: the prompts' pieces ride in the steps' forwards (``mixed.py``, <=
             ``prefill_budget`` tokens a step) and a row joins the batch after the step that
             ended its prompt
-  observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``
+  observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``; the
+            device time of each earlier step whose end mark has landed (``Event.query``, no
+            sync; a step that captured a graph is not reported) -> ``policy.observe_time``
   plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
             ``rates`` (if any) go to a proposer with ``set_rates``
   draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K)); a
@@ -256,6 +258,8 @@ class Engine:
         self.verifier.poll_stats()  # drop counts of earlier runs
         self._reset()
         observe = getattr(policy, "observe", None)
+        observe_time = getattr(policy, "observe_time", None)
+        timing: deque[tuple[int, int, int, Plan]] = deque()  # steps whose device time is not reported yet
         proposer = self.drafts.proposer
         reset_history = getattr(proposer, "reset_history", None)
         if reset_history is not None:
@@ -289,7 +293,10 @@ class Engine:
                 if stats is not None:
                     observe(stats.accepted_per_pos, stats.offered_per_pos)
                     observed += 1
+            if observe_time is not None:
+                run.timed_steps += _report_times(timing, marks, iter_marks, observe_time)
             plan = self._checked(policy.plan(n), n)
+            captures_before = self._captures()
             self._share_rates(policy)
             assert plan.tier is not None
             pieces, ride = self._load_ride(run, plan.tier, plan.k > 0, n)
@@ -306,6 +313,8 @@ class Engine:
             if pieces:
                 self._join(run, pieces, n, it, marks)
             run.decode_spans.append((step_mark, len(iter_marks)))
+            if observe_time is not None and self._captures() == captures_before:  # (a capture is no step cost)
+                timing.append((step_mark, len(iter_marks), n, plan))
             if n == concurrency:
                 run.full_spans.append(run.decode_spans[-1])
                 run.full_iterations.add(it)
@@ -502,3 +511,19 @@ class Engine:
     def _synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+
+def _report_times(timing: deque[tuple[int, int, int, Plan]], marks: Marks, iter_marks: list[int],
+                  observe_time: Callable[[int, Plan, float], None]) -> int:
+    """Steps whose span (the step's mark to the next iteration's) has landed on the device, in
+    order, to ``observe_time(batch, plan, ms)``; a span not landed yet waits for a later call
+    (``Event.query``: no host sync). Returns how many were reported."""
+    done = 0
+    while timing:
+        start, end, n, plan = timing[0]
+        if end >= len(iter_marks) or not marks.landed(iter_marks[end]):
+            break
+        timing.popleft()
+        observe_time(n, plan, marks.ms(start, iter_marks[end]))
+        done += 1
+    return done

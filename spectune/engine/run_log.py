@@ -95,7 +95,11 @@ class Marks:
             self.items.append(time.perf_counter())
         return len(self.items) - 1
 
-    def ms(self, a: int, b: int) -> float:  # after the device is synchronised
+    def landed(self, i: int) -> bool:
+        """Mark i has been reached on the device (CUDA: ``Event.query``, no sync)."""
+        return bool(self.items[i].query()) if self.cuda else True
+
+    def ms(self, a: int, b: int) -> float:  # after the device is synchronised (or both landed)
         if self.cuda:
             return float(self.items[a].elapsed_time(self.items[b]))
         return (self.items[b] - self.items[a]) * 1e3
@@ -130,6 +134,7 @@ class RunResult:
     prefill_forwards: int = 0  # separate prefill forwards (none with mixed prefill)
     mixed_prefill_tokens: int = 0  # prompt tokens that rode in steps' forwards (mixed prefill)
     prefill_steps: int = 0  # mixed-prefill steps with no live row (the prompt pieces alone)
+    timed_steps: int = 0  # steps whose device time went to the policy's ``observe_time``
 
     @property
     def mean_accept_len(self) -> float | None:
@@ -183,6 +188,7 @@ class RunLog:
     waits: int = 0
     mixed_tokens: int = 0  # prompt tokens that rode in steps' forwards
     prefill_steps: int = 0  # steps with no live row, only prompt pieces
+    timed_steps: int = 0  # steps reported to ``observe_time``
 
     def __post_init__(self) -> None:
         n = len(self.requests)
@@ -252,5 +258,5 @@ class RunLog:
             full_ms=sum(marks.ms(a, iter_marks[b]) for a, b in self.full_spans),
             full_tokens=sum(n for i, n in self.itl if i in self.full_iterations),
             prefill_forwards=prefill_forwards, mixed_prefill_tokens=self.mixed_tokens,
-            prefill_steps=self.prefill_steps,
+            prefill_steps=self.prefill_steps, timed_steps=self.timed_steps,
         )

@@ -145,6 +145,10 @@ TRIAL_GAP = 0.05  # a shape of another K this close to the choice (point estimat
 TRIAL_STEPS = 16  # ... and is run for this many steps in a row when its K has no counts of its own
 TRIAL_COST = 0.25  # trials cost at most this fraction of the margin (point estimate)
 TRIAL_DRAFTS = 4 * REGIME_SHRINK  # trials run where one block tests at least this many first drafts
+TIME_PRIOR = 4.0  # pseudo-steps at the all-shapes ratio in one shape's measured-time ratio
+TIME_WINDOW = 64.0  # steps one shape's (and the all-shapes) time ratio averages over, at most
+TIME_ROBUST = 4.0  # steps of a shape after which one step's log ratio is clipped to ...
+TIME_OUTLIER = 0.2  # ... within this of the shape's mean (a host stall is not the shape's cost)
 NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
@@ -217,6 +221,13 @@ class OnlineState:
     trial_at: list[float] = field(default_factory=list)
     tried: list[int] = field(default_factory=list)  # K of a trial that ended, not yet judged (0: none)
     trials: int = 0  # trial blocks started
+    # measured step times (``Planner.observe_time``; not traffic, so a change keeps them): per
+    # (batch size, shape) the steps timed (capped at TIME_WINDOW) and the running mean of
+    # log(measured / cost-model ms); the same over every timed step (``lg``)
+    lt: dict[int, dict[Plan, tuple[float, float]]] = field(default_factory=dict)
+    lg: list[tuple[float, float]] = field(default_factory=lambda: [(0.0, 0.0), (0.0, 0.0)])  # plain, drafting
+    lb: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # the same per batch size
+    timed: int = 0  # steps timed
 
     def copy(self) -> OnlineState:
         out: dict[str, Any] = {}
@@ -264,6 +275,8 @@ class Planner:
         self.tiers: list[int] = list(self.policy.tiers)
         self.max_batch = self.policy.rows[-1].batch[1]
         self.cost = CostModel.of(table)
+        # a shape not timed yet: its model time is as uncertain as the profile's held-out median
+        self._time_err = max(0.01, table.costs.error.median_rel)
         self._keep = 1.0 - 1.0 / self.online.window  # per-step decay of the estimate's counts
         self._keep_fast = 1.0 - 1.0 / self.online.change_window
         self.k_lo = self.online.min_k
@@ -285,6 +298,7 @@ class Planner:
         self._table: list[Plan] = [Plan(0, 0, None)] * (self.max_batch + 1)
         self._cands: list[list[tuple[Plan, float]]] = [[] for _ in range(self.max_batch + 1)]
         self._fac: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]
+        self._model_ms: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]  # (``observe_time``)
         # batch sizes above the table's range: (drafting step ms, plain step ms, plain tier)
         self._outside_ms: dict[tuple[int, int, int], tuple[float, float, int]] = {}
         self._no_corr = [NO_CORR] * (self.k_hi + 1)
@@ -302,6 +316,7 @@ class Planner:
                 self._table[b] = Plan(row.k if budget > 0 else 0, budget, tier)
                 self._cands[b] = self._candidates(b, self._table[b])
                 self._fac[b] = {p: _calibration(f_row, b, p.verify_budget) for p, _ in self._cands[b]}
+                self._model_ms[b] = dict(self._cands[b])
 
     def _candidates(self, b: int, table_plan: Plan) -> list[tuple[Plan, float]]:
         """Step shapes at batch b that no other shape dominates (same tokens for less time):
@@ -425,6 +440,73 @@ class Planner:
             s.every = [self.online.probe_every] * (self.max_batch + 1)
             self._clear_trials()
         self._decide()
+
+    def observe_time(self, batch_size: int, plan: Plan, ms: float) -> None:
+        """One step's measured time (the device time of a step the engine ran at ``batch_size``
+        with ``plan``, read once its events have landed: a few steps late, never waiting). The
+        cost model's time of a shape can be off by a few per cent where it matters (a GEMM tile,
+        a drafter shape), and two shapes a per cent or two apart are ranked by it; so each shape
+        keeps the running mean of log(measured / model) over its last ``TIME_WINDOW`` steps,
+        and ``_decide`` scores it at model ms x exp(that mean shrunk by ``TIME_PRIOR``
+        pseudo-steps toward the mean over the timed shapes of its pool at its batch size, else
+        at every batch size -- the pools: plain steps, and drafting steps, whose drafter share
+        the plain ones lack): a shape the trials or probes ran is ranked by what it cost here,
+        one never run as the model ranks it beside the timed shapes of its batch size, with its
+        time unresolved by the profile's held-out median error (a close call then gets a trial,
+        which times it). One step's log ratio is clipped to within
+        ``TIME_OUTLIER`` of its shape's mean once the shape has ``TIME_ROBUST`` steps (a stalled
+        host shows in the device span, and is not the shape's cost). Off with
+        ``online.time_feedback: false``."""
+        if not self.online.time_feedback or not 0 < batch_size <= self.max_batch or plan.tier is None \
+                or not ms > 0.0:
+            return
+        model = self._model_ms[batch_size].get(plan)
+        if model is None:  # a shape outside the candidates (the table's own plan is one of them)
+            model = self._model_ms[batch_size][plan] = step_ms(self.cost, batch_size, plan.k, plan.tier)
+        x = math.log(ms / model)
+        s = self._s
+        pool = 1 if plan.k else 0
+        n, m = s.lg[pool]
+        if n >= TIME_ROBUST:
+            x_all = m - 1.0 if x < m - 1.0 else m + 1.0 if x > m + 1.0 else x
+        else:
+            x_all = x
+        n = n + 1.0 if n < TIME_WINDOW else n
+        s.lg[pool] = (n, m + (x_all - m) / n)
+        shapes = s.lt.get(batch_size)
+        if shapes is None:
+            shapes = s.lt[batch_size] = {}
+            s.lb[batch_size] = [(0.0, 0.0), (0.0, 0.0)]
+        at_b = s.lb[batch_size]
+        n, m = at_b[pool]
+        n = n + 1.0 if n < TIME_WINDOW else n
+        at_b[pool] = (n, m + (x_all - m) / n)
+        n, m = shapes.get(plan, (0.0, 0.0))
+        if n >= TIME_ROBUST:
+            x = m - TIME_OUTLIER if x < m - TIME_OUTLIER else m + TIME_OUTLIER if x > m + TIME_OUTLIER else x
+        n = n + 1.0 if n < TIME_WINDOW else n
+        shapes[plan] = (n, m + (x - m) / n)
+        s.timed += 1
+
+    def _pool_offsets(self, b: int) -> tuple[float, float]:
+        """Mean log ratio of the plain steps' and of the drafting steps' measured times at batch b,
+        else over every batch size (a pool without a timed step takes the other's): what a shape
+        not timed yet is taken to be off by, so that beside the timed shapes of its batch size it
+        ranks as the cost model ranks it."""
+        (n0, m0), (n1, m1) = self._s.lg
+        g0, g1 = (m0 if n0 else m1), (m1 if n1 else m0)
+        at_b = self._s.lb.get(b)
+        if at_b is not None:
+            (n0, m0), (n1, m1) = at_b
+            g0, g1 = (m0 if n0 else g0), (m1 if n1 else g1)
+        return g0, g1
+
+    def _timing(self, b: int, p: Plan) -> tuple[float, float]:
+        """Measured-time factor of shape p at batch b (``observe_time``) and its relative error."""
+        g = self._pool_offsets(b)[1 if p.k else 0]
+        n, m = self._s.lt.get(b, {}).get(p, (0.0, g))
+        w = n / (n + TIME_PRIOR)
+        return math.exp(g + w * (m - g)), self._time_err * math.sqrt(TIME_PRIOR / (n + TIME_PRIOR))
 
     def _fold(self) -> tuple[list[float], list[float]] | None:
         """Decay the counts by the steps since the last fold and add the block's counts (a block's
@@ -586,6 +668,11 @@ class Planner:
         cur_ms = next((ms for p, ms in self._cands[b] if p is cur or p == cur), None)
         if cur_ms is None:
             return
+        timed = self.online.time_feedback and s.timed > 0  # shapes scored at their measured times
+        ut_cur = 0.0
+        if timed:
+            f_cur, ut_cur = self._timing(b, cur)
+            cur_ms *= f_cur
         # pessimistic rates of a deeper shape: the point estimate on the positions the current
         # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
         depth = -(-cur.verify_budget // b)
@@ -616,7 +703,20 @@ class Planner:
         probe_k = cur.k + PROBE_STEP  # K climbs a step at a time: a deep probe costs a deep step
         fac = self._fac[b]
         best_ms = probe_ms = cur_ms
+        ut = 0.0
+        if timed:  # (``_timing`` inlined: a shape not timed takes its pool's offset)
+            shapes = s.lt.get(b, {})
+            g0, g1 = self._pool_offsets(b)
+            f0, f1, u_none = math.exp(g0), math.exp(g1), self._time_err
         for p, ms in self._cands[b]:  # _tokens inlined: this loop is the controller's host time
+            if timed:
+                nm = shapes.get(p)
+                if nm is None:
+                    ms *= f1 if p.k else f0
+                    ut = u_none
+                else:
+                    f_t, ut = self._timing(b, p)
+                    ms *= f_t
             q, r = divmod(p.verify_budget, b)
             if q >= top:
                 q, r = top, 0
@@ -632,8 +732,9 @@ class Planner:
                 continue
             t_mid = (b + b * S_mid[q] + r * s_mid[q + 1]) * c
             if k != cur.k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
-                    1.0 + z * math.sqrt(u * u + u_cur * u_cur)) > need * ms):
+                    1.0 + z * math.sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
                 trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
+                # (by its tokens, or by a time not measured yet: a trial times it too)
             if k == tried and t_mid > tried_g * ms:
                 tried_p, tried_g = p, t_mid / ms
             if t_mid <= need * ms:

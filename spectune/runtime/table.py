@@ -348,6 +348,9 @@ class Online:
     # acceptance range the captured tiers leave room for: the tuned conditional rates scaled by
     # [lo, hi] (recorded by the tuner; informative)
     adapt_range: tuple[float, float] | None = None
+    # score each shape at its measured step time (``Planner.observe_time``) instead of the cost
+    # model's alone, where the runtime reports step times
+    time_feedback: bool = True
 
     def validate(self, path: str) -> None:
         require(self.window > 1.0, f"{path}.window", "must be > 1 (steps)")

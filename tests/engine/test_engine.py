@@ -73,7 +73,7 @@ class SpyPlanner:
     """The real planner; records what observe() receives."""
 
     def __init__(self, planner):
-        self.planner, self.seen = planner, []
+        self.planner, self.seen, self.times = planner, [], []
 
     def plan(self, batch_size):
         return self.planner.plan(batch_size)
@@ -81,6 +81,10 @@ class SpyPlanner:
     def observe(self, accepted, offered):
         self.seen.append((list(accepted), list(offered)))
         self.planner.observe(accepted, offered)
+
+    def observe_time(self, batch_size, plan, ms):
+        self.times.append((batch_size, plan, ms))
+        self.planner.observe_time(batch_size, plan, ms)
 
 
 @dataclasses.dataclass
@@ -187,6 +191,12 @@ def test_auto_arm_follows_the_table_and_observes_counters(rig, plain, tmp_path):
     for acc, off in spy.seen:
         assert len(acc) == len(off) == MAX_K
         assert all(0 <= a <= o for a, o in zip(acc, off, strict=True))
+    # every step's time but the last few (their end marks had not landed when the run ended), in
+    # step order, with the batch and the plan that step ran
+    assert res.timed_steps == len(spy.times) and res.steps - 2 <= len(spy.times) < res.steps
+    shapes = [(n, k, tier) for n, k, tier in res.step_shapes]
+    assert [(n, p.k, p.tier) for n, p, _ in spy.times] == shapes[: len(spy.times)]
+    assert all(ms > 0 for _, _, ms in spy.times) and planner.snapshot_online().timed == len(spy.times)
 
 
 def test_replayed_acceptance_sets_the_acceptance_length(rig, plain):

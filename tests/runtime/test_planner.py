@@ -1,3 +1,4 @@
+import math
 import random
 import warnings
 
@@ -455,3 +456,82 @@ def test_acceptance_independent_of_k_keeps_the_model_choice():
     best = max((12 + 12 * _survival_sums(same[k])[1][k]) / ms[k] for k in ms)
     assert ks[100:].count(2) > 0.8 * 500 and p.choices() == {}
     assert goodput > 0.995 * best
+
+
+def serve_timed(p: Planner, b: int, rates: list[float], n: int, true_ms) -> tuple[list[int], float]:
+    """``n`` steps at batch ``b`` at stationary ``rates``, each step's time ``true_ms(plan)`` (what
+    the GPU takes) reported to ``observe_time`` one step late, as the engine does."""
+    ks, tokens, ms, last = [], 0.0, 0.0, None
+    same = {k: rates for k in range(1, p.k_hi + 1)}
+    for _ in range(n):
+        if last is not None:
+            p.observe_time(b, last, true_ms(last))
+        plan = p.plan(b)
+        ks.append(plan.k)
+        acc, tested = k_dependent_counters(plan, b, same)
+        tokens += b + sum(acc)
+        ms += true_ms(plan)
+        p.observe(acc, tested)
+        last = plan
+    return ks, tokens / ms
+
+
+@pytest.mark.parametrize("time_feedback", [True, False])
+def test_measured_step_times_correct_a_cost_model_that_is_off(time_feedback):
+    """The cost model puts K 2 above K 1 at batch 12, but on this GPU every K 2 shape takes 8 %
+    longer than modelled, so K 1 is faster: a trial times K 1, and the controller runs it. With
+    ``time_feedback`` off the same steps keep K 2 (the test is not vacuous)."""
+    rates = SPAN_RATES[2] + [0.6] * 4
+    p = Planner(make_table(rows=[Row((1, 16), 2, 32)], tiers=TIERS_WIDE, prior=[0.4] * 6,
+                           time_feedback=time_feedback))
+    model = dict(p._cands[12])
+    true_ms = lambda plan: model[plan] * (1.08 if plan.k == 2 else 1.0)  # noqa: E731
+    sums = _survival_sums(rates)[1]
+    full = {pl.k: pl for pl in model if pl.verify_budget == 12 * pl.k}
+    g_model = {k: (12 + 12 * sums[k]) / model[full[k]] for k in (1, 2)}
+    g_true = {k: (12 + 12 * sums[k]) / true_ms(full[k]) for k in (1, 2)}
+    assert g_model[2] > 1.01 * g_model[1] and g_true[1] > 1.02 * g_true[2]  # the premise
+    ks, goodput = serve_timed(p, 12, rates, 600, true_ms)
+    assert ks[:3] == [2, 2, 2]
+    if time_feedback:
+        assert ks[200:].count(1) > 0.8 * 400 and p.choices()[12].k == 1
+        assert goodput > 0.98 * max(g_true.values())
+    else:
+        assert ks[200:].count(2) > 0.8 * 400 and goodput < 0.985 * g_true[1]
+
+
+def test_step_times_of_a_shape_are_its_own_and_robust():
+    """A shape's measured time moves only its own score (plain steps, which have no drafter, are
+    a pool of their own); one stalled step is clipped; a time of no shape is ignored."""
+    p = Planner(make_table(rows=[Row((1, 16), 2, 32)], tiers=TIERS_WIDE, prior=[0.4] * 6, min_k=0))
+    model = dict(p._cands[12])
+    k2 = next(pl for pl in model if pl.k == 2 and pl.verify_budget == 24)
+    k1 = next(pl for pl in model if pl.k == 1 and pl.verify_budget == 12)
+    plain = next(pl for pl in model if pl.k == 0)
+    for _ in range(20):
+        p.observe_time(12, k2, model[k2] * 1.10)
+    f2, u2 = p._timing(12, k2)
+    f1, u1 = p._timing(12, k1)
+    f0, _ = p._timing(12, plain)
+    assert f2 == pytest.approx(1.10, rel=0.01) and f1 == pytest.approx(1.10, rel=0.01)  # pool offset
+    assert f0 == pytest.approx(1.10, rel=0.01)  # no plain step timed yet: the drafting pool's offset
+    at4 = dict(p._cands[4])
+    k2_at4 = next(pl for pl in at4 if pl.k == 2)
+    for _ in range(20):
+        p.observe_time(4, k2_at4, at4[k2_at4] * 1.30)  # another batch size is its own
+    assert p._timing(12, k1)[0] == pytest.approx(1.10, rel=0.01)
+    # a batch size without timed steps: the offset over every batch size (20 steps each)
+    assert p._timing(5, k1)[0] == pytest.approx(math.exp((math.log(1.1) + math.log(1.3)) / 2), rel=0.01)
+    assert u2 < u1 == pytest.approx(max(0.01, p.table.costs.error.median_rel))
+    for _ in range(20):
+        p.observe_time(12, plain, model[plain] * 0.95)
+    assert p._timing(12, plain)[0] == pytest.approx(0.95, rel=0.01)
+    assert p._timing(12, k1)[0] == pytest.approx(1.10, rel=0.01)  # plain steps do not move drafting
+    p.observe_time(12, k2, model[k2] * 30.0)  # a stalled host inside one step's span
+    assert p._timing(12, k2)[0] < 1.10 * math.exp(0.2 / 20 + 0.01)
+    before = p.snapshot_online()
+    for bad in ((0, k2, 5.0), (99, k2, 5.0), (12, Plan(0, 0, None), 5.0), (12, k2, 0.0), (12, k2, float("nan"))):
+        p.observe_time(*bad)
+    assert p.snapshot_online().lt == before.lt and p.snapshot_online().timed == before.timed
+    p.reset_online()
+    assert p._timing(12, k2)[0] == 1.0
