@@ -72,6 +72,9 @@ from spectune.kernels.attention_configs import (
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.paged import PagedTritonAttention
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import int_list  # noqa: E402  (the benchmarks' comma-list parser)
+
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = N_HEADS // N_KV_HEADS
 DTYPE = torch.bfloat16
@@ -434,24 +437,15 @@ def out_dir(override: str | None = None) -> Path:
     return Path(out) if out else Path(__file__).resolve().parent / "results"
 
 
-def int_list(text: str, name: str, lo: int, hi: int) -> tuple[int, ...]:
-    """``"1,16"`` -> (1, 16); anything else is a one-line error naming the option."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise SystemExit(f"{name}: must be a comma-separated list of integers, got {text!r}") from None
-    bad = [v for v in values if not lo <= v <= hi]
-    if bad:
-        raise SystemExit(f"{name}: values must be in {lo}..{hi}, got {bad[0]}")
-    return values
-
-
 def grid_from_args(args: argparse.Namespace) -> Grid:
+    def given(text: str | None, flag: str, hi: int, example: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(int_list(text, flag, hi=hi, example=example)) if text else default
+
     grid = Grid(
-        contexts=int_list(args.contexts, "--contexts", 1, 1 << 20) if args.contexts else CONTEXTS,
-        batches=int_list(args.batches, "--batches", 1, 4096) if args.batches else BATCHES,
-        sweep_batches=int_list(args.sweep_batches, "--sweep-batches", 1, 4096) if args.sweep_batches else SWEEP_BATCHES,
-        qs=int_list(args.qs, "--qs", 1, MAX_Q) if args.qs else Q_TOKENS,
+        contexts=given(args.contexts, "--contexts", 1 << 20, "2048,8192", CONTEXTS),
+        batches=given(args.batches, "--batches", 4096, "1,64", BATCHES),
+        sweep_batches=given(args.sweep_batches, "--sweep-batches", 4096, "64,256", SWEEP_BATCHES),
+        qs=given(args.qs, "--qs", MAX_Q, "1,16", Q_TOKENS),
     )
     if 1 not in grid.qs:
         raise SystemExit("--qs: must include 1 (times are reported relative to q = 1)")

@@ -428,7 +428,25 @@ def test_verify_attention_grid_flags_restrict_the_grid():
     mod = load("bench_verify_attention")
     grid = mod.grid_from_args(mod.parse_args(["--qs", "1,16", "--contexts", "2048", "--sweep-batches", "64"]))
     assert (grid.qs, grid.contexts, grid.sweep_batches, grid.batches) == ((1, 16), (2048,), (64,), mod.BATCHES)
-    for argv, message in ((["--qs", "16"], "--qs: must include 1"), (["--qs", "1,x"], "--qs: must be"),
+    for argv, message in ((["--qs", "16"], "--qs: must include 1"), (["--qs", "1,x"], "--qs: cannot read"),
+                          (["--qs", "1,17"], r"--qs: values must be in 1\.\.16, got 17"),
                           (["--contexts", "0"], "--contexts: values must be in")):
         with pytest.raises(SystemExit, match=message):
             mod.grid_from_args(mod.parse_args(argv))
+
+
+def test_probe_common_int_list_is_one_parser_with_one_line_errors_naming_the_flag():
+    mod = load("probe_common")
+    assert mod.int_list("16,1, 4,16", "--qs", hi=16) == [1, 4, 16]  # sorted, distinct, spaces allowed
+    for text, kw, message in (("1,x", {}, "--n: cannot read '1,x' (e.g. 1,2,4)"), (",", {}, "--n: empty list"),
+                              ("0,2", {}, "--n: values must be >= 1, got 0"),
+                              ("2,9", {"lo": 2, "hi": 8}, "--n: values must be in 2..8, got 9")):
+        with pytest.raises(SystemExit) as err:
+            mod.int_list(text, "--n", **kw)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+    class Refused(Exception):
+        pass
+
+    with pytest.raises(Refused, match="^--concurrency: cannot read"):
+        mod.int_list("a", "--concurrency", error=Refused)
