@@ -21,11 +21,9 @@ writes the per-bucket winners in the table format ``attention.py`` loads
 timing (``$OUT/attention_sweep.json``); then runs the comparison table with the new winners.
 Kernels are compiled up front by a pool of processes into Triton's on-disk cache (``--jobs``).
 
-The candidates include the kernel's loop variants ("qk_ahead", "halves", and a register cap for a
-third program per SM; ``attention_configs.variant_configs``) from 32 query rows up; the sweep then
-prints, per point, the best base-loop config next to the best variant config (us, /q1, % of copy)
-and stores that comparison in ``attention_sweep.json``. ``--qs``, ``--contexts``,
-``--sweep-batches`` and ``--batches`` restrict the grid; ``--out-dir`` overrides $OUT.
+``--qs``, ``--contexts``, ``--sweep-batches`` and ``--batches`` restrict the grid; ``--out-dir``
+overrides $OUT. (The loop variants swept here on the H200, ``benchmarks/results/attention_variants_h200``,
+were removed from the kernel; branch ``attn16``, commit ef21aeb, keeps them.)
 
     python benchmarks/bench_verify_attention.py [--sweep] [--no-table] [--jobs 8]
     python benchmarks/bench_verify_attention.py --sweep --no-table --qs 1,16 --sweep-batches 64,256 --jobs 16
@@ -73,6 +71,9 @@ from spectune.kernels.attention_configs import (
 )
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.paged import PagedTritonAttention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import int_list  # noqa: E402  (the benchmarks' comma-list parser)
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = N_HEADS // N_KV_HEADS
@@ -221,10 +222,6 @@ def check_correctness() -> dict:
         "triton_split1": lambda: verify_attention(q, k_cache, v_cache, meta, num_splits=1),
         "triton_m32x2": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(32, 2, 3, block_m=32)),
         "triton_m128": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(64, 8, 2, block_m=128)),
-        "triton_qk_ahead": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(
-            32, 4, 2, block_m=64, variant="qk_ahead", max_regs=168)),
-        "triton_halves_split3": lambda: verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(
-            64, 2, 2, block_m=64, num_splits=3, variant="halves")),
         "sdpa_gqa": lambda: verify_attention_sdpa_gqa(q, k_cache, v_cache, meta),
         "folded": lambda: verify_attention_folded(q, k_cache, v_cache, meta),
     }
@@ -242,8 +239,7 @@ def check_correctness() -> dict:
 def _compile_key(q_tok: int, cfg: AttnConfig) -> tuple:
     plan = plan_launch(torch.device("cpu"), num_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
                        batch=1, max_q=q_tok, max_kv_len=8192, config=cfg)
-    return (plan.block_m, plan.m_tiles, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits > 1,
-            cfg.variant, cfg.max_regs)
+    return plan.block_m, plan.m_tiles, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits > 1
 
 
 def _precompile_worker(jobs: list[tuple[int, AttnConfig]]) -> int:
@@ -351,48 +347,6 @@ def run_sweep(num_sms: int, jobs: int, grid: Grid) -> tuple[list[SweepTiming], l
     return timings, records
 
 
-def variant_summary(records: list[dict], copy_gbs: float) -> list[dict]:
-    """Per swept point: the best base-loop config and the best loop-variant config (``variant`` or
-    ``max_regs`` set), each with ms, time / the best q = 1 time of the same (ctx, batch) over all
-    candidates, and KV-read bandwidth as % of copy bandwidth."""
-    def best_of(timings: list[dict]) -> dict | None:
-        ok = [t for t in timings if t["ms"] is not None]
-        return min(ok, key=lambda t: t["ms"]) if ok else None
-
-    q1 = {(r["ctx"], r["batch"]): r["best_ms"] for r in records if r["q"] == 1}
-    out = []
-    for r in records:
-        row = {"ctx": r["ctx"], "batch": r["batch"], "q": r["q"]}
-        for kind, pick in (("base", lambda t: t["variant"] == "base" and not t["max_regs"]),
-                           ("variant", lambda t: t["variant"] != "base" or bool(t["max_regs"]))):
-            best = best_of([t for t in r["timings"] if pick(t)])
-            if best is None:
-                row[kind] = None
-                continue
-            cfg = AttnConfig(**{k: best[k] for k in best if k != "ms"})
-            ref = q1.get((r["ctx"], r["batch"]))
-            row[kind] = {"config": cfg.short(), "ms": best["ms"], "over_q1": best["ms"] / ref if ref else None,
-                         "pct_of_copy": 100.0 * r["kv_bytes"] / (best["ms"] * 1e-3) / 1e9 / copy_gbs}
-        out.append(row)
-    return out
-
-
-def print_variant_summary(summary: list[dict]) -> None:
-    def cell(x: dict | None) -> str:
-        if x is None:
-            return f"{'-':>40} {'':>8} {'':>5} {'':>6}"
-        over = f"{x['over_q1']:>5.2f}" if x["over_q1"] is not None else f"{'n/a':>5}"
-        return f"{x['config']:>40} {x['ms'] * 1e3:>8.1f} {over} {x['pct_of_copy']:>6.1f}"
-
-    print(f"\nbase loop vs loop variants (/q1: over the best q=1 time of the same ctx x batch; %copy of the "
-          f"best copy bandwidth); goal at batch x ctx >= 64 x 2048: q16 <= {GOAL_Q16_OVER_Q1:.2f} x q1, "
-          f">= {GOAL_PCT_OF_COPY:.0f}% of copy")
-    print(f"{'ctx':>5} {'batch':>5} {'q':>3} {'best base':>40} {'us':>8} {'/q1':>5} {'%copy':>6} "
-          f"{'best variant':>40} {'us':>8} {'/q1':>5} {'%copy':>6}")
-    for r in summary:
-        print(f"{r['ctx']:>5} {r['batch']:>5} {r['q']:>3} {cell(r['base'])} {cell(r['variant'])}")
-
-
 def winners_table(timings: list[SweepTiming], name: str, num_sms: int, capability: tuple[int, int],
                   contexts: tuple[int, ...] = CONTEXTS) -> ConfigTable:
     """Sweep winners plus heuristic entries for the row counts the sweep did not reach."""
@@ -483,24 +437,15 @@ def out_dir(override: str | None = None) -> Path:
     return Path(out) if out else Path(__file__).resolve().parent / "results"
 
 
-def int_list(text: str, name: str, lo: int, hi: int) -> tuple[int, ...]:
-    """``"1,16"`` -> (1, 16); anything else is a one-line error naming the option."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise SystemExit(f"{name}: must be a comma-separated list of integers, got {text!r}") from None
-    bad = [v for v in values if not lo <= v <= hi]
-    if bad:
-        raise SystemExit(f"{name}: values must be in {lo}..{hi}, got {bad[0]}")
-    return values
-
-
 def grid_from_args(args: argparse.Namespace) -> Grid:
+    def given(text: str | None, flag: str, hi: int, example: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(int_list(text, flag, hi=hi, example=example)) if text else default
+
     grid = Grid(
-        contexts=int_list(args.contexts, "--contexts", 1, 1 << 20) if args.contexts else CONTEXTS,
-        batches=int_list(args.batches, "--batches", 1, 4096) if args.batches else BATCHES,
-        sweep_batches=int_list(args.sweep_batches, "--sweep-batches", 1, 4096) if args.sweep_batches else SWEEP_BATCHES,
-        qs=int_list(args.qs, "--qs", 1, MAX_Q) if args.qs else Q_TOKENS,
+        contexts=given(args.contexts, "--contexts", 1 << 20, "2048,8192", CONTEXTS),
+        batches=given(args.batches, "--batches", 4096, "1,64", BATCHES),
+        sweep_batches=given(args.sweep_batches, "--sweep-batches", 4096, "64,256", SWEEP_BATCHES),
+        qs=given(args.qs, "--qs", MAX_Q, "1,16", Q_TOKENS),
     )
     if 1 not in grid.qs:
         raise SystemExit("--qs: must include 1 (times are reported relative to q = 1)")
@@ -555,13 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nsweep took {sweep_s:.0f} s; winners per bucket (rows = {GROUP} x q, programs = batch x {N_KV_HEADS}):")
         for e in table.entries:
             print(f"  rows {e.rows:>3} programs {e.programs:>5}: {e.config.short()}")
-        summary = variant_summary(records, copy_gbs)
-        print_variant_summary(summary)
         write_json(out / "attention_sweep.json", {
             "device": props.name, "sm_count": sms, "torch": torch.__version__, "triton": triton.__version__,
             "method": f"CUDA-graph replay, median of {SWEEP_REPS}; each candidate checked against folded SDPA",
             "grid": grid._asdict(), "copy_bandwidth_gbs": copy_gbs, "seconds": sweep_s,
-            "base_vs_variants": summary, "points": records})
+            "points": records})
         path = out / "attention_configs.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, table.to_json())

@@ -59,7 +59,7 @@ from spectune.models.config import ModelArgs, ModelError, resolve_target  # noqa
 from spectune.models.decoder import Transformer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_common import first_line, say, sizes  # noqa: E402  (the probes' shared helpers)
+from probe_common import first_line, int_list, say  # noqa: E402  (the probes' shared helpers)
 
 
 def count_kernels(run: Callable[[], object], device: torch.device) -> int | None:
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args(argv)
-    batches = sizes(args.batches, "--batches", "1,32,128", "sizes")
+    batches = int_list(args.batches, "--batches", example="1,32,128")
     if args.context_len < 1:
         raise SystemExit("--context-len: must be >= 1")
     device = torch.device(args.device)

@@ -73,7 +73,7 @@ from spectune.models.build import StepFn
 from spectune.models.config import ModelArgs, ModelError, projection_shapes, resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_common import first_line, say, sizes  # noqa: E402  (the probes' shared helpers)
+from probe_common import first_line, int_list, say  # noqa: E402  (the probes' shared helpers)
 
 DEFAULT_MS = "1,2,4,8,16,32,64"
 ARMS = ("matmul", "linear", "linear_lt", "fp8", "triton_small_m")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time every candidate config of the small-M kernel at M <= 16 and "
                          "write the winners per shape to gemv_configs.json")
     args = ap.parse_args(argv)
-    ms = sizes(args.ms, "--ms", "1,2,4,8", "row counts")
+    ms = int_list(args.ms, "--ms", example="1,2,4,8")
     for flag, value in (("--flush-mib", args.flush_mib), ("--read-mib", args.read_mib)):
         if value < 1:
             raise SystemExit(f"{flag}: must be >= 1")

@@ -95,6 +95,7 @@ BENCH_DIR = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
 
 import heldout_ab  # noqa: E402  (the bench's sources and its interval format)
+from probe_common import int_list  # noqa: E402  (the benchmarks' comma-list parser)
 
 STAGES = ("profile", "tune", "bench")
 DTYPES = ("bfloat16", "fp8", "float16", "float32")
@@ -203,13 +204,7 @@ def check(args: argparse.Namespace) -> list[str]:
 
 
 def concurrency(text: str) -> list[int]:
-    try:
-        cs = sorted({int(c) for c in text.split(",") if c.strip()})
-    except ValueError:
-        raise Refused(f"--concurrency: expected integers like 1,32,128, got {text!r}") from None
-    if not cs or cs[0] < 1:
-        raise Refused(f"--concurrency: expected integers >= 1, got {text!r}")
-    return cs
+    return int_list(text, "--concurrency", example="1,32,128", error=Refused)
 
 
 def stem_for(slug: str, target: str, drafter: str, dtype: str, fused: bool = False) -> str:

@@ -424,33 +424,29 @@ def test_refit_profile_recomputes_the_fit_from_the_points_it_holds(tmp_path, cap
     assert "a policy table" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
 
 
-def test_verify_attention_summary_splits_base_from_variants_and_restricts_the_grid(capsys):
+def test_verify_attention_grid_flags_restrict_the_grid():
     mod = load("bench_verify_attention")
     grid = mod.grid_from_args(mod.parse_args(["--qs", "1,16", "--contexts", "2048", "--sweep-batches", "64"]))
     assert (grid.qs, grid.contexts, grid.sweep_batches, grid.batches) == ((1, 16), (2048,), (64,), mod.BATCHES)
-    for argv, message in ((["--qs", "16"], "--qs: must include 1"), (["--qs", "1,x"], "--qs: must be"),
+    for argv, message in ((["--qs", "16"], "--qs: must include 1"), (["--qs", "1,x"], "--qs: cannot read"),
+                          (["--qs", "1,17"], r"--qs: values must be in 1\.\.16, got 17"),
                           (["--contexts", "0"], "--contexts: values must be in")):
         with pytest.raises(SystemExit, match=message):
             mod.grid_from_args(mod.parse_args(argv))
 
-    def timing(ms, **cfg):
-        return {**dataclasses.asdict(mod.AttnConfig(**cfg)), "ms": ms}
 
-    kv = 1e9  # bytes: 1 ms -> 1000 GB/s
-    records = [
-        {"ctx": 2048, "batch": 64, "q": 1, "kv_bytes": kv, "best_ms": 1.0,
-         "timings": [timing(1.0, block_n=64), timing(1.5, block_n=32)]},
-        {"ctx": 2048, "batch": 64, "q": 16, "kv_bytes": kv, "best_ms": 1.1,
-         "timings": [timing(1.2, block_n=64, block_m=64), timing(1.3, block_n=32, block_m=64),
-                     timing(None, block_n=64, block_m=64, variant="halves"),
-                     timing(1.1, block_n=32, block_m=64, variant="qk_ahead", max_regs=168),
-                     timing(1.25, block_n=64, block_m=64, variant="qk_ahead")]},
-    ]
-    summary = mod.variant_summary(records, copy_gbs=2000.0)
-    q1, q16 = summary
-    assert q1["variant"] is None and q1["base"]["ms"] == 1.0 and q1["base"]["pct_of_copy"] == pytest.approx(50.0)
-    assert q16["base"]["config"] == "m64/n64/4w/2st/s*" and q16["base"]["over_q1"] == pytest.approx(1.2)
-    assert q16["variant"]["config"] == "m64/n32/4w/2st/s*/qk_ahead/r168"
-    assert q16["variant"]["over_q1"] == pytest.approx(1.1)
-    mod.print_variant_summary(summary)
-    assert "qk_ahead/r168" in capsys.readouterr().out
+def test_probe_common_int_list_is_one_parser_with_one_line_errors_naming_the_flag():
+    mod = load("probe_common")
+    assert mod.int_list("16,1, 4,16", "--qs", hi=16) == [1, 4, 16]  # sorted, distinct, spaces allowed
+    for text, kw, message in (("1,x", {}, "--n: cannot read '1,x' (e.g. 1,2,4)"), (",", {}, "--n: empty list"),
+                              ("0,2", {}, "--n: values must be >= 1, got 0"),
+                              ("2,9", {"lo": 2, "hi": 8}, "--n: values must be in 2..8, got 9")):
+        with pytest.raises(SystemExit) as err:
+            mod.int_list(text, "--n", **kw)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+    class Refused(Exception):
+        pass
+
+    with pytest.raises(Refused, match="^--concurrency: cannot read"):
+        mod.int_list("a", "--concurrency", error=Refused)

@@ -18,13 +18,6 @@ Inside a program the KV range is walked in two loops: whole blocks every row may
 below ``context_len + 1`` in causal mode), with no mask at all, then the one or two tail blocks
 where the causal mask and the range end apply.
 
-Two loop variants, chosen per config (``AttnConfig.variant``; "base" is the loop above) for tiles
-of many query rows (G x q = 64 at q = 16), where the tile's math starts to show next to its KV read:
-"qk_ahead" computes Q @ K^T of the next KV tile before the softmax of the current one (the scores
-are carried one iteration, so the score dot can overlap the softmax), and "halves" cuts the query
-tile into two half-height tiles that share one K and one V tile load per step (two independent
-softmax chains per program, half the score registers each).
-
 ``meta`` is duck-typed (``spectune.kernels.attention_metadata.AttnMeta``): ``cu_seqlens_q [B+1] int32``,
 ``context_lens [B] int32``, ``max_q`` (static int), ``block_tables [B, max_blocks] int32``.
 Rows >= cu_seqlens_q[-1] are padding and come out as zeros.
@@ -45,7 +38,6 @@ from spectune.kernels.attention_configs import (
     MAX_SPLITS,
     MIN_BLOCK_M,
     MIN_SPLIT_TOKENS,
-    VARIANTS,
     AttnConfig,
     choose_num_splits,
     default_config,
@@ -82,35 +74,6 @@ def _load_kv_tile(base, blk, off, stride_b, stride_s, d, n_ok, d_ok,
 
 
 @triton.jit
-def _kv_tile_blocks(bt_row, start, kv_hi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASKED: tl.constexpr):
-    n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    n_ok = n < kv_hi
-    if MASKED:
-        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
-    return n, n_ok, blk
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i, n, n_ok, limit, qk_scale, MASKED: tl.constexpr):
-    """One online-softmax step on raw scores s [BLOCK_M, BLOCK_N] -> p, alpha, l_i, m_new."""
-    # softmax in the log2 domain: exp(x * sm_scale) = exp2(x * qk_scale), qk_scale > 0
-    if MASKED:
-        s = tl.where((n[None, :] < limit[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = m_new  # every row sees every key of this tile
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, l_i, m_new
-
-
-@triton.jit
 def _attend_tile(
     acc, l_i, m_i,  # [BLOCK_M, BLOCK_D] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32 (log2 domain, scaled)
     q,  # [BLOCK_M, BLOCK_D]
@@ -122,106 +85,30 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    n, n_ok, blk = _kv_tile_blocks(bt_row, start, kv_hi, BLOCK_SIZE, BLOCK_N, MASKED)
+    n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    n_ok = n < kv_hi
+    if MASKED:
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
     off = n % BLOCK_SIZE
     k = _load_kv_tile(k_base, blk, off, stride_kb, stride_ks, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
-    p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, n, n_ok, limit, qk_scale, MASKED)
+    # softmax in the log2 domain: exp(x * sm_scale) = exp2(x * qk_scale), qk_scale > 0
+    if MASKED:
+        s = tl.where((n[None, :] < limit[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new  # every row sees every key of this tile
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv_tile(v_base, blk, off, stride_vb, stride_vs, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _attend_tile_halves(
-    acc_a, l_a, m_a, acc_b, l_b, m_b,  # two half-tile states, [BLOCK_M // 2, ...] each
-    q_a, q_b,  # [BLOCK_M // 2, BLOCK_D]: query rows of the upper / lower half of the tile
-    k_base, v_base, bt_row, start, kv_hi, limit_a, limit_b,
-    stride_kb, stride_ks, stride_vb, stride_vs,
-    qk_scale, d, d_ok,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """variant "halves": one K and one V tile load serve two independent half-height query tiles
-    (two softmax chains the scheduler can interleave, half the score registers per chain)."""
-    n, n_ok, blk = _kv_tile_blocks(bt_row, start, kv_hi, BLOCK_SIZE, BLOCK_N, MASKED)
-    off = n % BLOCK_SIZE
-    k = _load_kv_tile(k_base, blk, off, stride_kb, stride_ks, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
-    k_t = tl.trans(k)
-    s_a = tl.dot(q_a, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M // 2, BLOCK_N]
-    s_b = tl.dot(q_b, k_t, input_precision=DOT_PRECISION)
-    p_a, alpha_a, l_a, m_a = _softmax_step(s_a, m_a, l_a, n, n_ok, limit_a, qk_scale, MASKED)
-    p_b, alpha_b, l_b, m_b = _softmax_step(s_b, m_b, l_b, n, n_ok, limit_b, qk_scale, MASKED)
-    v = _load_kv_tile(v_base, blk, off, stride_vb, stride_vs, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
-    acc_a = tl.dot(p_a.to(v.dtype), v, acc_a * alpha_a[:, None], input_precision=DOT_PRECISION)
-    acc_b = tl.dot(p_b.to(v.dtype), v, acc_b * alpha_b[:, None], input_precision=DOT_PRECISION)
-    return acc_a, l_a, m_a, acc_b, l_b, m_b
-
-
-@triton.jit
-def _scores_ahead(q, k_base, bt_row, start, kv_hi, stride_kb, stride_ks, d, d_ok,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """variant "qk_ahead": raw scores [BLOCK_M, BLOCK_N] and block ids of the tile at ``start``;
-    always masked by the range end (the tile ahead of the last one lies past it and reads nothing)."""
-    n, n_ok, blk = _kv_tile_blocks(bt_row, start, kv_hi, BLOCK_SIZE, BLOCK_N, True)
-    k = _load_kv_tile(k_base, blk, n % BLOCK_SIZE, stride_kb, stride_ks, d, n_ok, d_ok, True, MASK_D, DOT_F32)
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), blk
-
-
-@triton.jit
-def _attend_ahead(acc, l_i, m_i, s, blk, q, k_base, v_base, bt_row, start, kv_hi, limit,
-                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """variant "qk_ahead": issue the scores of the tile after ``start``, then the softmax and
-    P @ V of the tile at ``start`` from its scores s and block ids blk, computed one step earlier."""
-    s_next, blk_next = _scores_ahead(q, k_base, bt_row, start + BLOCK_N, kv_hi, stride_kb, stride_ks, d, d_ok,
-                                     BLOCK_SIZE, BLOCK_N, MASK_D, DOT_PRECISION, DOT_F32)
-    n = start + tl.arange(0, BLOCK_N)
-    n_ok = n < kv_hi
-    p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, n, n_ok, limit, qk_scale, MASKED)
-    v = _load_kv_tile(v_base, blk, n % BLOCK_SIZE, stride_vb, stride_vs, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new, s_next, blk_next
-
-
-@triton.jit
-def _query_rows(q_ptr, stride_qt, stride_qh, q_start, q_len, ctx, seq_len, row0, kvh, d, d_ok,
-                G: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
-    """Query rows row0 .. row0 + ROWS of a kv head: q [ROWS, BLOCK_D], their new-token index j,
-    head, whether they are real, and the visibility limit of each row."""
-    rows = row0 + tl.arange(0, ROWS)
-    j = rows // G  # new-token index of each row
-    heads = kvh * G + rows % G
-    row_ok = j < q_len
-    q = tl.load(q_ptr + (q_start + j)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    if CAUSAL:  # noqa: SIM108 (constexpr branch)
-        limit = ctx + j + 1  # [ROWS] keys < limit are visible
-    else:
-        limit = seq_len + j * 0  # block drafters: every new token sees the whole block
-    return q, j, heads, row_ok, limit
-
-
-@triton.jit
-def _store_rows(acc, l_i, m_i, j, heads, row_ok, d, d_ok, q_start, split, num_tokens, num_heads,
-                out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
-                HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
-    q_mask = row_ok[:, None] & d_ok[None, :]
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if SPLIT:
-        part_row = (split * num_tokens + q_start + j) * num_heads + heads  # [ROWS]
-        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
-    else:
-        tl.store(out_ptr + (q_start + j)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_tokens", "num_requests", "num_splits"])
@@ -255,7 +142,6 @@ def _verify_attn_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for the combine kernel
-    VARIANT: tl.constexpr,  # index into attention_configs.VARIANTS: 0 base, 1 qk_ahead, 2 halves
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
 ):
@@ -269,8 +155,22 @@ def _verify_attn_kernel(
     q_len = q_end - q_start
     ctx = tl.load(context_lens_ptr + b)
     seq_len = ctx + q_len
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = rows // G  # new-token index of each row
+    heads = kvh * G + rows % G
+    row_ok = j < q_len
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + (q_start + j)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if CAUSAL:  # noqa: SIM108 (constexpr branch)
+        limit = ctx + j + 1  # [BLOCK_M] keys < limit are visible
+    else:
+        limit = seq_len + j * 0  # block drafters: every new token sees the whole block
 
     # this split's KV range: chunks of whole tiles, computed on the device from seq_len;
     # a query tile without a real row reads nothing
@@ -287,66 +187,29 @@ def _verify_attn_kernel(
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    if VARIANT == 2:  # halves: rows [0, BLOCK_M / 2) and [BLOCK_M / 2, BLOCK_M) of the tile
-        q_a, j_a, heads_a, ok_a, limit_a = _query_rows(
-            q_ptr, stride_qt, stride_qh, q_start, q_len, ctx, seq_len, m_tile * BLOCK_M, kvh, d, d_ok,
-            G, BLOCK_M // 2, CAUSAL, DOT_F32)
-        q_b, j_b, heads_b, ok_b, limit_b = _query_rows(
-            q_ptr, stride_qt, stride_qh, q_start, q_len, ctx, seq_len, m_tile * BLOCK_M + BLOCK_M // 2, kvh,
-            d, d_ok, G, BLOCK_M // 2, CAUSAL, DOT_F32)
-        m_a = tl.full([BLOCK_M // 2], float("-inf"), tl.float32)
-        m_b = tl.full([BLOCK_M // 2], float("-inf"), tl.float32)
-        l_a = tl.zeros([BLOCK_M // 2], tl.float32)
-        l_b = tl.zeros([BLOCK_M // 2], tl.float32)
-        acc_a = tl.zeros([BLOCK_M // 2, BLOCK_D], tl.float32)
-        acc_b = tl.zeros([BLOCK_M // 2, BLOCK_D], tl.float32)
-        for start in range(kv_lo, full_hi, BLOCK_N):
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile_halves(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, bt_row, start, kv_hi,
-                limit_a, limit_b, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, False, DOT_PRECISION, DOT_F32)
-        for start in range(full_hi, kv_hi, BLOCK_N):  # tail: causal mask and range end
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile_halves(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, bt_row, start, kv_hi,
-                limit_a, limit_b, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True, DOT_PRECISION, DOT_F32)
-        _store_rows(acc_a, l_a, m_a, j_a, heads_a, ok_a, d, d_ok, q_start, split, num_tokens, num_heads,
-                    out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr, HEAD_DIM, SPLIT)
-        _store_rows(acc_b, l_b, m_b, j_b, heads_b, ok_b, d, d_ok, q_start, split, num_tokens, num_heads,
-                    out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr, HEAD_DIM, SPLIT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, False,
+                                     DOT_PRECISION, DOT_F32)
+    for start in range(full_hi, kv_hi, BLOCK_N):  # tail: causal mask and range end
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True,
+                                     DOT_PRECISION, DOT_F32)
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT:
+        part_row = (split * num_tokens + q_start + j) * num_heads + heads  # [BLOCK_M]
+        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
     else:
-        q, j, heads, row_ok, limit = _query_rows(
-            q_ptr, stride_qt, stride_qh, q_start, q_len, ctx, seq_len, m_tile * BLOCK_M, kvh, d, d_ok,
-            G, BLOCK_M, CAUSAL, DOT_F32)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if VARIANT == 1:  # qk_ahead: Q @ K^T of the next tile is issued before this tile's softmax
-            s, blk = _scores_ahead(q, k_base, bt_row, kv_lo, kv_hi, stride_kb, stride_ks, d, d_ok,
-                                   BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, DOT_PRECISION, DOT_F32)
-            for start in range(kv_lo, full_hi, BLOCK_N):
-                acc, l_i, m_i, s, blk = _attend_ahead(
-                    acc, l_i, m_i, s, blk, q, k_base, v_base, bt_row, start, kv_hi, limit, stride_kb, stride_ks,
-                    stride_vb, stride_vs, qk_scale, d, d_ok, BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, False,
-                    DOT_PRECISION, DOT_F32)
-            for start in range(full_hi, kv_hi, BLOCK_N):  # tail: causal mask and range end
-                acc, l_i, m_i, s, blk = _attend_ahead(
-                    acc, l_i, m_i, s, blk, q, k_base, v_base, bt_row, start, kv_hi, limit, stride_kb, stride_ks,
-                    stride_vb, stride_vs, qk_scale, d, d_ok, BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True,
-                    DOT_PRECISION, DOT_F32)
-        else:
-            for start in range(kv_lo, full_hi, BLOCK_N):
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
-                                             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-                                             BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, False,
-                                             DOT_PRECISION, DOT_F32)
-            for start in range(full_hi, kv_hi, BLOCK_N):  # tail: causal mask and range end
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
-                                             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-                                             BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True,
-                                             DOT_PRECISION, DOT_F32)
-        _store_rows(acc, l_i, m_i, j, heads, row_ok, d, d_ok, q_start, split, num_tokens, num_heads,
-                    out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr, HEAD_DIM, SPLIT)
+        tl.store(out_ptr + (q_start + j)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
     # padding rows (after the last request's queries) come out as zeros
     if (b == num_requests - 1) & (split == 0) & (m_tile == 0):
@@ -428,8 +291,7 @@ def plan_launch(device: torch.device, *, num_heads: int, n_kv_heads: int, head_d
     group = num_heads // n_kv_heads
     rows = group * max_q
     cfg = config or default_config(device, rows, head_dim, batch * n_kv_heads)
-    min_m = 2 * MIN_BLOCK_M if cfg.variant == "halves" else MIN_BLOCK_M  # each half is a tl.dot
-    block_m = max(cfg.block_m or natural_block_m(rows), triton.next_power_of_2(group), min_m)
+    block_m = max(cfg.block_m or natural_block_m(rows), triton.next_power_of_2(group), MIN_BLOCK_M)
     m_tiles = -(-rows // block_m)
     if num_splits is None:
         if cfg.num_splits:
@@ -496,9 +358,9 @@ def verify_attention(
         scale * math.log2(math.e),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAUSAL=causal, G=group, M_TILES=m_tiles,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
-        VARIANT=VARIANTS.index(cfg.variant), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.device.type != "cuda" and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs or None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

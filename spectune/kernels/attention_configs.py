@@ -38,11 +38,7 @@ MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 MAX_BLOCK_M = 256  # rows of one query tile; more rows are cut into several tiles
 MIN_SPLIT_TOKENS = 128  # a split reads at least this many KV positions
 MAX_SPLITS = 16
-CAPPED_REGS = 168  # 65536 registers per SM / (3 programs x 128 threads), rounded down to 8
 AUTO = 0  # block_m / num_splits value meaning "derive from the step's sizes"
-# loop of the kernel (see spectune.kernels.attention): the plain one, scores one KV tile ahead,
-# or the query tile as two halves over one KV load; the index is the kernel's VARIANT constexpr
-VARIANTS = ("base", "qk_ahead", "halves")
 
 
 class ConfigTableError(SpectuneError):
@@ -64,8 +60,6 @@ class AttnConfig:
     num_stages: int = 2
     block_m: int = AUTO  # query rows per program; AUTO: all G * max_q rows, padded to a power of 2
     num_splits: int = AUTO  # KV splits per (request, kv head); AUTO: choose_num_splits
-    variant: str = "base"  # one of VARIANTS; "halves" needs block_m >= 32 (raised to it)
-    max_regs: int = AUTO  # registers per thread the compiler may use (ptx .maxnreg); AUTO: its choice
 
     def __post_init__(self) -> None:
         rules = (
@@ -75,30 +69,15 @@ class AttnConfig:
             ("block_m", self.block_m == AUTO or (_pow2(self.block_m) and MIN_BLOCK_M <= self.block_m
                                                  <= MAX_BLOCK_M), f"0 or a power of 2 in {MIN_BLOCK_M}..{MAX_BLOCK_M}"),
             ("num_splits", 0 <= self.num_splits <= 64, "in 0..64"),
-            ("max_regs", self.max_regs == AUTO or 32 <= self.max_regs <= 255, "0 or in 32..255"),
         )
         for name, ok, want in rules:
             if not ok or not isinstance(getattr(self, name), int):
                 raise ConfigTableError(f"config.{name}: must be {want}, got {getattr(self, name)!r}")
-        if self.variant not in VARIANTS:
-            raise ConfigTableError(f"config.variant: must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
 
     def short(self) -> str:
         m = f"m{self.block_m}" if self.block_m else "m*"
         s = f"s{self.num_splits}" if self.num_splits else "s*"
-        v = "" if self.variant == "base" else f"/{self.variant}"
-        r = f"/r{self.max_regs}" if self.max_regs else ""
-        return f"{m}/n{self.block_n}/{self.num_warps}w/{self.num_stages}st/{s}{v}{r}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Fields as a dict; ``variant`` and ``max_regs`` only when set (tables made before them
-        read and write the same)."""
-        d = asdict(self)
-        if self.variant == "base":
-            del d["variant"]
-        if self.max_regs == AUTO:
-            del d["max_regs"]
-        return d
+        return f"{m}/n{self.block_n}/{self.num_warps}w/{self.num_stages}st/{s}"
 
 
 INTERPRETER_CONFIG = AttnConfig(block_n=16, num_warps=1, num_stages=1)
@@ -197,7 +176,7 @@ class ConfigTable:
         return {
             "format": TABLE_FORMAT, "device_name": self.device_name, "sm_count": self.sm_count,
             "source": self.source,
-            "configs": [{"head_dim": e.head_dim, "rows": e.rows, "programs": e.programs, **e.config.to_dict()}
+            "configs": [{"head_dim": e.head_dim, "rows": e.rows, "programs": e.programs, **asdict(e.config)}
                         for e in self.entries],
         }
 
@@ -244,6 +223,9 @@ def rescale_splits(splits: int, bucket_programs: int, programs: int, num_sms: in
 
 
 _ENTRY_KEYS = {"head_dim", "rows", "programs"} | {f.name for f in fields(AttnConfig)}
+# fields of the kernel's former loop variants (removed: they lost to the plain loop on the H200;
+# branch attn16 keeps them); a table naming one is refused with this reason
+_REMOVED_KEYS = {"variant": "the kernel's loop variants were removed", "max_regs": "the register cap was removed"}
 _TABLE_KEYS = {"format", "device_name", "sm_count", "source", "configs"}
 
 
@@ -284,7 +266,8 @@ def table_from_dict(data: Any, where: str) -> ConfigTable:
             raise fail(f"configs[{i}]", "must be an object")
         bad = sorted(set(item) - _ENTRY_KEYS)
         if bad:
-            raise fail(f"configs[{i}].{bad[0]}", "unknown key")
+            why = f" ({_REMOVED_KEYS[bad[0]]})" if bad[0] in _REMOVED_KEYS else ""
+            raise fail(f"configs[{i}].{bad[0]}", f"unknown key{why}")
         for key in ("head_dim", "rows", "programs", "block_n", "num_warps", "num_stages"):
             if not isinstance(item.get(key), int) or item[key] < 1:
                 raise fail(f"configs[{i}].{key}", f"must be an integer >= 1, got {item.get(key)!r}")
@@ -334,15 +317,14 @@ def table_for_device(device_name: str) -> ConfigTable | None:
 
 
 def candidate_configs(rows: int, head_dim: int, programs: int, max_kv_len: int,
-                      num_sms: int, *, variants: bool = True) -> list[AttnConfig]:
-    """Every config the sweep times for one bucket (``variants=False``: the base loop only).
+                      num_sms: int) -> list[AttnConfig]:
+    """Every config the sweep times for one bucket.
 
     block_m: the natural tile, plus 64 for a 32-row tile (wgmma) and half the tile from 64 rows
     up (two query tiles per kv head, more programs); block_n 32/64/128; warps 4/8 (and 2 for
     32-row tiles, which keeps warps along M); stages 2/3/4; splits 1 and the automatic count,
     2 when the GPU holds fewer than 4 waves of programs, twice the automatic count when it splits.
     Dropped: 8 warps on tiles under 64 rows with 32-key blocks (fewer than 8 columns per warp).
-    Then ``variant_configs``.
     """
     m = natural_block_m(rows)
     block_ms = [m] + ([64] if m == 32 else []) + ([m // 2] if m >= 64 else [])
@@ -364,36 +346,6 @@ def candidate_configs(rows: int, head_dim: int, programs: int, max_kv_len: int,
                         continue
                     for st in (2, 3, 4):
                         out.append(AttnConfig(bn, w, st, block_m=bm, num_splits=s))
-    return out + variant_configs(rows, programs, max_kv_len, num_sms) if variants else out
-
-
-def variant_configs(rows: int, programs: int, max_kv_len: int, num_sms: int) -> list[AttnConfig]:
-    """The loop variants' candidates, for tiles of 32 rows and more (below that the tile's math
-    hides under its KV read): the natural tile; block_n 32/64/128; stages 2/3; splits 1 and the
-    automatic count, 2 when the GPU holds fewer than 4 waves of programs. "qk_ahead" with 4/8 warps
-    (8 not with 32-key blocks under 64 rows, as above); "halves" with 2/4 warps up to 64 rows (each
-    half-tile keeps its warps along M), 4/8 from 128. 4 warps, 2 stages, block_n <= 64 also with
-    ``max_regs=CAPPED_REGS``: uncapped these loops take 184-255 registers per thread at 64 rows
-    (ptxas, sm_90), which leaves room for only two 4-warp programs per SM; at 168 three fit, and
-    the third program's KV loads in flight are what a KV-read bound loop lacks."""
-    m = natural_block_m(rows)
-    if m < 2 * MIN_BLOCK_M:
-        return []
-    auto = choose_num_splits(programs, 1, max_kv_len, num_sms)
-    splits = {1, auto} | ({min(2, max(1, max_kv_len // MIN_SPLIT_TOKENS))} if programs < 4 * num_sms else set())
-    warps = {"qk_ahead": (4, 8), "halves": (2, 4) if m <= 64 else (4, 8)}
-    out = []
-    for variant in ("qk_ahead", "halves"):
-        for s in sorted(splits):
-            for bn in (32, 64, 128):
-                for w in warps[variant]:
-                    if variant == "qk_ahead" and w == 8 and m < 64 and bn == 32:
-                        continue
-                    for st in (2, 3):
-                        out.append(AttnConfig(bn, w, st, block_m=m, num_splits=s, variant=variant))
-                        if w == 4 and bn <= 64 and st == 2:  # capped: a third program per SM
-                            out.append(AttnConfig(bn, w, st, block_m=m, num_splits=s, variant=variant,
-                                                  max_regs=CAPPED_REGS))
     return out
 
 

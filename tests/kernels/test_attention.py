@@ -284,10 +284,6 @@ def test_graph_replay_follows_meta_updates():
     AttnConfig(64, 4, 3, block_m=128),  # padded tile
     AttnConfig(128, 8, 2, block_m=128, num_splits=3),
     AttnConfig(32, 4, 4, block_m=16, num_splits=2),
-    AttnConfig(32, 4, 2, block_m=64, variant="qk_ahead", max_regs=168),
-    AttnConfig(64, 8, 3, block_m=64, num_splits=2, variant="qk_ahead"),
-    AttnConfig(64, 2, 2, block_m=64, variant="halves"),
-    AttnConfig(32, 4, 2, block_m=64, num_splits=3, variant="halves", max_regs=168),
 ])
 def test_compiled_configs_match_reference(config):
     # every shape of launch the sweep can pick, compiled for the GPU, against the fp32 reference
@@ -298,60 +294,3 @@ def test_compiled_configs_match_reference(config):
     verify_attention(q, k_cache, v_cache, meta, out=out, config=config)
     assert max_rel_err(out[:42], ref[:42]) < 1e-2
     assert (out[42:] == 0).all()
-
-
-VARIANT_CASES = [
-    # (q_lens, ctx_lens, n_heads, n_kv_heads, head_dim, dtype, pad, num_splits, block_m, causal)
-    ([1, 3, 16], [37, 0, 21], 8, 2, 32, torch.float32, 2, 1, 64, True),  # G = 4: 64 rows, ragged q
-    ([16, 16], [50, 13], 8, 2, 32, torch.float32, 1, 3, 64, False),  # split, non-causal
-    ([3, 1, 2], [70, 33, 16], 8, 1, 32, torch.float32, 0, 2, 32, True),  # G = 8: one token per half
-    ([9, 16, 1], [19, 40, 64], 4, 2, 48, torch.bfloat16, 3, 1, 0, True),  # G = 2, masked D, bf16
-    ([16, 5], [12, 31], 8, 2, 32, torch.float32, 0, 1, 128, True),  # padded tile: second half empty
-]
-
-
-@pytest.mark.parametrize("variant", ["qk_ahead", "halves"])
-@pytest.mark.parametrize("q_lens,ctx_lens,n_heads,n_kv_heads,head_dim,dtype,pad,num_splits,block_m,causal",
-                         VARIANT_CASES)
-def test_loop_variants_match_reference(variant, q_lens, ctx_lens, n_heads, n_kv_heads, head_dim, dtype, pad,
-                                       num_splits, block_m, causal):
-    q, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                                          head_dim=head_dim, dtype=dtype, pad=pad, seed=len(q_lens) + pad)
-    ref = verify_attention_ref(q, k_cache, v_cache, meta, causal=causal)
-    cfg = AttnConfig(16, 1, 1, block_m=block_m, variant=variant)
-    out = torch.full_like(q, POISON)
-    verify_attention(q, k_cache, v_cache, meta, out=out, num_splits=num_splits, config=cfg, causal=causal)
-    base = verify_attention(q, k_cache, v_cache, meta, num_splits=num_splits,
-                            config=AttnConfig(16, 1, 1, block_m=block_m), causal=causal)
-    real = sum(q_lens)
-    assert (out[:real].float().abs() < POISON / 2).all(), "a real row was not written"
-    assert (out[real:] == 0).all(), "padding rows must be zero"
-    assert max_rel_err(out[:real], ref[:real]) < TOL[dtype]
-    assert max_rel_err(out[:real], base[:real]) < (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-@pytest.mark.parametrize("block_m", [32, 64])
-def test_halves_each_half_writes_its_own_rows(block_m):
-    # 16 tokens x G = 4 = 64 rows: with block_m 64 rows 32..63 (tokens 8..15) are the second half;
-    # with block_m 32 each tile's halves hold 4 tokens. Token j sees ctx + j + 1 keys, so a half
-    # reading the other half's queries or limits, or storing to its rows, gives other numbers.
-    q, k_cache, v_cache, meta = make_case([16], [3], n_heads=8, n_kv_heads=2, head_dim=32, seed=11)
-    ref = verify_attention_ref(q, k_cache, v_cache, meta)
-    half_tokens = block_m // 2 // 4
-    assert max_rel_err(ref[half_tokens : 2 * half_tokens], ref[:half_tokens]) > 0.1  # halves do differ
-    out = torch.full_like(q, POISON)
-    verify_attention(q, k_cache, v_cache, meta, out=out, config=AttnConfig(16, 1, 1, block_m=block_m,
-                                                                           variant="halves"))
-    for j in range(16):
-        assert max_rel_err(out[j], ref[j]) < 1e-4, f"token {j}"
-
-
-def test_halves_raise_the_query_tile_to_two_dot_tiles():
-    cpu = torch.device("cpu")
-    kw = dict(num_heads=32, n_kv_heads=8, head_dim=128, batch=2, max_kv_len=256)
-    assert plan_launch(cpu, max_q=1, config=AttnConfig(variant="halves"), **kw).block_m == 32
-    assert plan_launch(cpu, max_q=1, config=AttnConfig(), **kw).block_m == 16
-    assert plan_launch(cpu, max_q=16, config=AttnConfig(variant="halves"), **kw).block_m == 64
-    q, k_cache, v_cache, meta = make_case([1, 1], [20, 9], n_heads=8, n_kv_heads=2, head_dim=32)
-    out = verify_attention(q, k_cache, v_cache, meta, config=AttnConfig(16, 1, 1, variant="halves"))
-    assert max_rel_err(out, verify_attention_ref(q, k_cache, v_cache, meta)) < 1e-4
