@@ -536,6 +536,17 @@ def train_online(setup: Setup, concurrency: int, requests: list[Request]) -> Non
     setup.engine.run(requests, arm_policy("auto", setup.engine.tiers, setup.planner), concurrency=concurrency)
 
 
+def controller_view(planner: Any, batch: int) -> dict[str, Any]:
+    """The planner's state at ``batch`` after a run: its choice, the live acceptance estimate and
+    each timed shape's steps and measured / model time ratio (``Planner.timed_shapes``)."""
+    choice = planner.choice(batch) if 0 < batch <= planner.max_batch else None
+    return {"choice": None if choice is None else [choice.k, choice.verify_budget, choice.tier],
+            "rates": [round(a, 4) for a in planner.rates],
+            "time_ratios": {f"{p.k}/{p.verify_budget}/{p.tier}": [n, round(x, 4)]
+                            for p, (n, x) in sorted(planner.timed_shapes(batch).items(),
+                                                    key=lambda item: (item[0].k, item[0].verify_budget))}}
+
+
 def rotated(arms: Sequence[str], repeat: int) -> list[str]:
     """Repeat r runs the arms rotated by r (plain first in repeat 0), so no arm is always last."""
     order = ["plain", *[a for a in arms if a != "plain"]] if "plain" in arms else list(arms)
@@ -566,7 +577,10 @@ def _serve_all(setup: Setup, config: BenchConfig, served: Served, concurrency: S
                     res, reading = measure(setup, arm, c, requests, power, limit, plain.outputs)
                     pred = predict(setup, served, arm, c, len(requests), prompt_len + max_new // 2, config.seed, res,
                                    config.predict_at_measured_accept and r == 0)
-                    rows.append({**row_for(arm, c, res, reading, plain, pred, tolerance), "repeat": r})
+                    row = {**row_for(arm, c, res, reading, plain, pred, tolerance), "repeat": r}
+                    if arm == "auto":  # what the controller knows after the run, at the full batch
+                        row["controller"] = controller_view(setup.planner, c)
+                    rows.append(row)
                     write(rows, False)
                     bar.update(1)
     return rows

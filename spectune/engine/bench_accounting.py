@@ -280,6 +280,8 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: Run
         "tier_hist": {str(t): n for t, n in res.tier_hist.items()},
         "idle_rows": res.idle_rows,
         "host_waits": res.waits,
+        "observed_steps": res.observed,
+        "timed_steps": res.timed_steps,
         "drafter_calls": res.drafter_calls,
         "graph_captures_in_run": res.captures,
         "timed_out": res.timed_out,

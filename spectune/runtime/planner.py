@@ -820,6 +820,15 @@ class Planner:
     def uncaptured(self) -> int:
         return self._s.uncaptured
 
+    def timed_shapes(self, batch_size: int) -> dict[Plan, tuple[float, float]]:
+        """Shapes timed at ``batch_size`` (``observe_time``): steps counted (at most TIME_WINDOW)
+        and the measured / cost-model time ratio (the running geometric mean)."""
+        return {p: (n, math.exp(m)) for p, (n, m) in self._s.lt.get(batch_size, {}).items()}
+
+    def choice(self, batch_size: int) -> Plan:
+        """The controller's current plan at ``batch_size`` (no probe, trial or decision: read only)."""
+        return self._s.choice[batch_size]
+
     def choices(self) -> dict[int, Plan]:
         """Batch sizes whose plan the controller changed from the table's row, and the plan."""
         return {b: p for b, p in enumerate(self._s.choice) if b and p != self._table[b]}

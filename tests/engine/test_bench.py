@@ -79,6 +79,17 @@ def test_bench_header_and_extra_fields(results):
         for k, n in runs:
             hist[str(k)] = hist.get(str(k), 0) + n
         assert hist == row["k_hist"]
+        # the steps whose device time reached the policy: the auto arm's (all but the last few,
+        # still in flight when the run ended); a fixed arm has no observe_time
+        if row["arm"] == "auto":
+            assert row["steps"] - 2 <= row["timed_steps"] < row["steps"] and row["observed_steps"] > 0
+        else:
+            assert row["timed_steps"] == 0
+    auto = next(r for r in data["rows"] if r["arm"] == "auto" and r["concurrency"] == 2)
+    view = auto["controller"]
+    assert len(view["choice"]) == 3 and len(view["rates"]) == 3 and all(0 <= a <= 1 for a in view["rates"])
+    assert view["time_ratios"] and all(n >= 1 and x > 0 for n, x in view["time_ratios"].values())
+    assert "controller" not in plain
 
 
 def test_k_runs_codes_the_steps_in_order():
