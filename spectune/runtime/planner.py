@@ -107,6 +107,13 @@ CUSUM test, ``Planner._page``): the block's deviations add up, and a sustained s
 sigma per block fires within a few blocks. After a change the block that showed it is the new
 estimate's first evidence, so the decision made then can already leave the old choice.
 
+Step times: the candidates' step times above are the cost model's; ``observe_time(batch, plan,
+ms)`` takes each step's measured device time (the engine's CUDA events, once landed), and each
+shape is scored at model ms x its own measured ratio, shrunk toward the ratio of the timed shapes
+of its batch size (plain and drafting steps apart); an untimed shape's time counts as unresolved
+by the profile's held-out median error in the trial test, so a close call is tried, and timed
+(``Planner.observe_time`` states the details).
+
 Batch sizes above the table's range reuse the last batch size's choice, with the budget cut to
 fit the largest tier (counted in ``Planner.clamped``), where the cost model at the estimate's
 point rates says it still beats plain decoding there, else plain; a batch larger than the largest tier gets
@@ -234,8 +241,9 @@ class OnlineState:
         for f, v in vars(self).items():
             if isinstance(v, list):
                 out[f] = [list(x) if isinstance(x, list) else x for x in v]
-            elif isinstance(v, dict):
-                out[f] = dict(v)
+            elif isinstance(v, dict):  # (per batch size: a dict or a list of its own)
+                out[f] = {key: dict(x) if isinstance(x, dict) else list(x) if isinstance(x, list) else x
+                          for key, x in v.items()}
         return replace(self, **out)
 
 

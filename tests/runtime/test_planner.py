@@ -529,6 +529,12 @@ def test_step_times_of_a_shape_are_its_own_and_robust():
     assert p._timing(12, k1)[0] == pytest.approx(1.10, rel=0.01)  # plain steps do not move drafting
     p.observe_time(12, k2, model[k2] * 30.0)  # a stalled host inside one step's span
     assert p._timing(12, k2)[0] < 1.10 * math.exp(0.2 / 20 + 0.01)
+    saved = p.snapshot_online()
+    p.observe_time(12, k2, model[k2] * 1.5)  # a snapshot does not share what later steps change
+    p.observe_time(7, k2, model[k2])
+    assert saved.lt[12][k2] != p.snapshot_online().lt[12][k2] and 7 not in saved.lt
+    p.restore_online(saved)
+    assert p.snapshot_online().lt == saved.lt and p.snapshot_online().lb == saved.lb
     before = p.snapshot_online()
     for bad in ((0, k2, 5.0), (99, k2, 5.0), (12, Plan(0, 0, None), 5.0), (12, k2, 0.0), (12, k2, float("nan"))):
         p.observe_time(*bad)
