@@ -16,6 +16,9 @@ cell differs by that alone (0.963 of the best fixed K with it, 1.04 with the def
 
     python benchmarks/sim_tables.py POLICY --sources drift --concurrency 16 --requests 48 \
         --decode-tokens 63 --repeats 5 --shared-planner
+
+``--served-cost PROFILE`` times the runs by another profile's cost model while the policy plans
+on its own (``spectune simulate --served-cost``): the controller where its cost model is off.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import sys
 import time
 
 from spectune.autotune.acceptance import resolve_acceptance
-from spectune.autotune.whatif import WhatIf, heldout_sources, simulate_table
+from spectune.autotune.whatif import WhatIf, heldout_sources, served_cost_of, simulate_table
+from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
 from spectune.runtime.planner import load
 
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="seeds per (concurrency, arm), pooled")
     ap.add_argument("--shared-planner", action="store_true",
                     help="auto: one planner trained by a first run serves every seed (the bench's protocol)")
+    ap.add_argument("--served-cost", metavar="PROFILE",
+                    help="time the runs by this profile's cost model while the policy plans on its own")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     for option, value in (("--requests", a.requests), ("--decode-tokens", a.decode_tokens), ("--repeats", a.repeats)):
@@ -58,13 +64,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     concurrency = [int(c) for c in a.concurrency.split(",")]
     planner = load(a.policy, on_gpu_mismatch="ignore")
+    try:
+        served = served_cost_of(a.served_cost, planner.table) if a.served_cost else None
+    except SpectuneError as exc:
+        print(f"sim_tables: {exc}", file=sys.stderr)
+        return 2
     t0 = time.time()
     rows = []
     for name in names:
         first, second = known[name]
         what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), resolve_acceptance(first, planner.k_hi),
                       resolve_acceptance(second, planner.k_hi) if second else None,
-                      decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner)
+                      decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner,
+                      served_cost=served)
         if a.requests is not None:
             what = dataclasses.replace(what, requests=lambda c: a.requests)
         out = simulate_table(what, concurrency, None)
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['source']:18s} {r['concurrency']:4d} {r['ratio_vs_best_other']:9.3f} "
               f"{full if full is not None else float('nan'):9.3f}  {best} / {best_full}")
     if a.out:
-        atomic_write_text(a.out, json.dumps({"policy": a.policy, "rows": rows}, indent=1))
+        atomic_write_text(a.out, json.dumps({"policy": a.policy, "served_cost": a.served_cost, "rows": rows}, indent=1))
     return 0
 
 

@@ -11,7 +11,6 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from spectune import __version__
 from spectune.cli_support import (
@@ -609,27 +608,18 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
-def _served_cost(path: str | None, table: Any) -> Any:
-    """``--served-cost``: the cost model of another profile of the table's target and drafter."""
-    if path is None:
-        return None
-    from spectune.runtime.costs import CostModel
-    from spectune.runtime.table import read_table
-
-    other = read_table(path)
-    for field in ("target", "drafter", "max_k"):
-        mine, theirs = getattr(table.workload, field), getattr(other.workload, field)
-        if mine != theirs:
-            raise UsageError(f"--served-cost {path}: workload.{field} is {theirs!r}, the policy's is {mine!r}")
-    return CostModel.of(other)
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
     from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
-    from spectune.autotune.whatif import WhatIf, parse_arms, simulate_table, split_drift
+    from spectune.autotune.whatif import (
+        WhatIf,
+        parse_arms,
+        served_cost_of,
+        simulate_table,
+        split_drift,
+    )
     from spectune.runtime.planner import load
 
     for option, value in (("--requests", args.requests), ("--repeats", args.repeats),
@@ -648,7 +638,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
     what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats,
-                  shared=args.shared_planner, served_cost=_served_cost(args.served_cost, planner.table))
+                  shared=args.shared_planner,
+                  served_cost=served_cost_of(args.served_cost, planner.table) if args.served_cost else None)
     if args.decode_tokens is not None:
         what = dataclasses.replace(what, decode_tokens=args.decode_tokens)
     if args.requests is not None:

@@ -195,6 +195,19 @@ class WhatIf:
     served_cost: CostModel | None = None  # the GPU's step times (default: the table's own cost model)
 
 
+def served_cost_of(path: str, table: Any) -> CostModel:
+    """``--served-cost``: the cost model of another profile of ``table``'s target and drafter, to
+    time the simulated runs while the policy plans on its own (``WhatIf.served_cost``)."""
+    from spectune.runtime.table import read_table
+
+    other = read_table(path)
+    for name in ("target", "drafter", "max_k"):
+        mine, theirs = getattr(table.workload, name), getattr(other.workload, name)
+        if mine != theirs:
+            raise ArmError(f"--served-cost {path}: workload.{name} is {theirs!r}, the policy's is {mine!r}")
+    return CostModel.of(other)
+
+
 def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str] | None) -> dict[str, Any]:
     """Every (concurrency, arm) through ``predict_arm``; rows and the auto / best other ratio."""
     planner = what.make_planner()
