@@ -73,3 +73,21 @@ def make_profile(
         policy=policy,
         created=created,
     )
+
+
+def write_profile_like(policy_path, out, *, weight_factor: float = 1.0, target: str | None = None):
+    """A cost-only profile of ``policy_path``'s table with the target's weight read scaled by
+    ``weight_factor`` (and, given ``target``, another target name): a GPU whose step times the
+    policy's cost model does not know (``--served-cost``)."""
+    import dataclasses
+
+    from spectune.runtime.table import read_table, write_table
+
+    table = read_table(policy_path)
+    t = table.costs.model.target
+    model = dataclasses.replace(table.costs.model, target=dataclasses.replace(t, weight_ms=weight_factor * t.weight_ms))
+    other = dataclasses.replace(table, costs=dataclasses.replace(table.costs, model=model), policy=None)
+    if target is not None:
+        other = dataclasses.replace(other, workload=dataclasses.replace(other.workload, target=target))
+    write_table(other, out)
+    return out

@@ -455,16 +455,12 @@ def test_probe_common_int_list_is_one_parser_with_one_line_errors_naming_the_fla
 def test_sim_tables_plays_another_profiles_step_times(tmp_path, capsys):
     """``sim_tables.py --served-cost``: the bench's protocol with the runs timed by another profile;
     a profile of another target is refused in one line, nothing written."""
-    from spectune.runtime.table import read_table, write_table
     from tests.engine.test_engine import write_policy
+    from tests.tables import write_profile_like
 
     sim = load("sim_tables")
     policy = write_policy(tmp_path / "p.yaml")
-    table = read_table(policy)
-    t = table.costs.model.target
-    slow = dataclasses.replace(table, costs=dataclasses.replace(table.costs, model=dataclasses.replace(
-        table.costs.model, target=dataclasses.replace(t, weight_ms=2.0 * t.weight_ms))), policy=None)
-    write_table(slow, tmp_path / "slow.yaml")
+    write_profile_like(policy, tmp_path / "slow.yaml", weight_factor=2.0)
     argv = [str(policy), "--sources", "low-0.55", "--concurrency", "4", "--requests", "8", "--decode-tokens", "8",
             "--repeats", "1"]
     assert sim.main([*argv, "--out", str(tmp_path / "own.json")]) == 0
@@ -473,8 +469,7 @@ def test_sim_tables_plays_another_profiles_step_times(tmp_path, capsys):
     assert other["served_cost"] == str(tmp_path / "slow.yaml") and own["served_cost"] is None
     plain = [next(r["goodput_tok_s"] for r in o["rows"] if r["arm"] == "plain") for o in (own, other)]
     assert plain[1] < 0.75 * plain[0]
-    write_table(dataclasses.replace(slow, workload=dataclasses.replace(slow.workload, target="another")),
-                tmp_path / "other.yaml")
+    write_profile_like(policy, tmp_path / "other.yaml", weight_factor=2.0, target="another")
     capsys.readouterr()
     assert sim.main([*argv, "--served-cost", str(tmp_path / "other.yaml"), "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

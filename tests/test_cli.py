@@ -190,17 +190,11 @@ def test_simulate_bad_input(tmp_path, capsys, argv, needle):
 def test_simulate_served_cost_plays_another_profiles_step_times(tmp_path, capsys):
     """``--served-cost``: the policy plans on its own table, the runs are timed by the other
     profile's cost model; a profile of another target is refused in one line."""
-    import dataclasses
-
-    from spectune.runtime.table import read_table, write_table
     from tests.engine.test_engine import write_policy
+    from tests.tables import write_profile_like
 
     policy = write_policy(tmp_path / "p.yaml")
-    table = read_table(policy)
-    t = table.costs.model.target
-    slower = dataclasses.replace(table, costs=dataclasses.replace(table.costs, model=dataclasses.replace(
-        table.costs.model, target=dataclasses.replace(t, weight_ms=2.0 * t.weight_ms))), policy=None)
-    write_table(slower, tmp_path / "slow.yaml")
+    write_profile_like(policy, tmp_path / "slow.yaml", weight_factor=2.0)
     argv = ["simulate", str(policy), "--concurrency", "4", "--arms", "plain,auto", "--requests", "8", "--json"]
     assert main(argv) == 0
     own = json.loads(capsys.readouterr().out)
@@ -209,8 +203,7 @@ def test_simulate_served_cost_plays_another_profiles_step_times(tmp_path, capsys
     assert other["served_cost"] == str(tmp_path / "slow.yaml") and own["served_cost"] is None
     plain = [next(r["goodput_tok_s"] for r in o["rows"] if r["arm"] == "plain") for o in (own, other)]
     assert plain[1] < 0.75 * plain[0]  # plain decoding is a weight read: twice the weight time
-    renamed = dataclasses.replace(slower, workload=dataclasses.replace(slower.workload, target="another"))
-    write_table(renamed, tmp_path / "other.yaml")
+    write_profile_like(policy, tmp_path / "other.yaml", weight_factor=2.0, target="another")
     assert main([*argv, "--served-cost", str(tmp_path / "other.yaml")]) == 2
     assert "workload.target" in one_error_line(capsys, "simulate")
 
