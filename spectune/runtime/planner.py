@@ -156,6 +156,7 @@ TIME_PRIOR = 4.0  # pseudo-steps at the all-shapes ratio in one shape's measured
 TIME_WINDOW = 64.0  # steps one shape's (and the all-shapes) time ratio averages over, at most
 TIME_ROBUST = 4.0  # steps of a shape after which one step's log ratio is clipped to ...
 TIME_OUTLIER = 0.2  # ... within this of the shape's mean (a host stall is not the shape's cost)
+TIME_POOL_OUTLIER = 1.0  # ... and within this of its pool's mean (the pools mix shapes)
 NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
@@ -475,25 +476,16 @@ class Planner:
         s = self._s
         pool = 1 if plan.k else 0
         n, m = s.lg[pool]
-        if n >= TIME_ROBUST:
-            x_all = m - 1.0 if x < m - 1.0 else m + 1.0 if x > m + 1.0 else x
-        else:
-            x_all = x
-        n = n + 1.0 if n < TIME_WINDOW else n
-        s.lg[pool] = (n, m + (x_all - m) / n)
+        x_all = _clipped(x, m, TIME_POOL_OUTLIER) if n >= TIME_ROBUST else x
+        s.lg[pool] = _mean_with(s.lg[pool], x_all)
         shapes = s.lt.get(batch_size)
         if shapes is None:
             shapes = s.lt[batch_size] = {}
             s.lb[batch_size] = [(0.0, 0.0), (0.0, 0.0)]
         at_b = s.lb[batch_size]
-        n, m = at_b[pool]
-        n = n + 1.0 if n < TIME_WINDOW else n
-        at_b[pool] = (n, m + (x_all - m) / n)
+        at_b[pool] = _mean_with(at_b[pool], x_all)
         n, m = shapes.get(plan, (0.0, 0.0))
-        if n >= TIME_ROBUST:
-            x = m - TIME_OUTLIER if x < m - TIME_OUTLIER else m + TIME_OUTLIER if x > m + TIME_OUTLIER else x
-        n = n + 1.0 if n < TIME_WINDOW else n
-        shapes[plan] = (n, m + (x - m) / n)
+        shapes[plan] = _mean_with((n, m), _clipped(x, m, TIME_OUTLIER) if n >= TIME_ROBUST else x)
         s.timed += 1
 
     def _pool_offsets(self, b: int) -> tuple[float, float]:
@@ -511,8 +503,12 @@ class Planner:
 
     def _timing(self, b: int, p: Plan) -> tuple[float, float]:
         """Measured-time factor of shape p at batch b (``observe_time``) and its relative error."""
-        g = self._pool_offsets(b)[1 if p.k else 0]
-        n, m = self._s.lt.get(b, {}).get(p, (0.0, g))
+        return self._shape_timing(self._s.lt.get(b, {}).get(p, (0.0, 0.0)), self._pool_offsets(b)[1 if p.k else 0])
+
+    def _shape_timing(self, timed: tuple[float, float], g: float) -> tuple[float, float]:
+        """Factor and relative error of a shape's time from its (steps, mean log ratio), shrunk
+        toward its pool's offset ``g`` by TIME_PRIOR pseudo-steps."""
+        n, m = timed
         w = n / (n + TIME_PRIOR)
         return math.exp(g + w * (m - g)), self._time_err * math.sqrt(TIME_PRIOR / (n + TIME_PRIOR))
 
@@ -723,7 +719,7 @@ class Planner:
                     ms *= f1 if p.k else f0
                     ut = u_none
                 else:
-                    f_t, ut = self._timing(b, p)
+                    f_t, ut = self._shape_timing(nm, g1 if p.k else g0)
                     ms *= f_t
             q, r = divmod(p.verify_budget, b)
             if q >= top:
@@ -874,6 +870,18 @@ class Planner:
         s.rise = s.fall = 0.0
         s.folded = s.steps
         self._estimate()
+
+
+def _clipped(x: float, m: float, c: float) -> float:
+    return m - c if x < m - c else m + c if x > m + c else x
+
+
+def _mean_with(timed: tuple[float, float], x: float) -> tuple[float, float]:
+    """(steps, running mean) after one more value: the steps capped at TIME_WINDOW, so the mean
+    follows about the last TIME_WINDOW values."""
+    n, m = timed
+    n = n + 1.0 if n < TIME_WINDOW else n
+    return n, m + (x - m) / n
 
 
 def _calibration(f: Sequence[float], batch: int, budget: int) -> float:
