@@ -57,10 +57,13 @@ already prefers it; before ``min_evidence``, every ``probe_every`` steps). A pro
 probe tests one request's deep positions and K + 2 costs about what K does -- runs often, so K
 climbs in a short run; a costly probe runs rarely, and by the loss / margin term probing never
 costs more than the margin by the point estimate. Deeper positions get tested, so K can climb past positions no shape has
-tested yet, and a batch size at K = 0 keeps drafting now and then, so K = 0 is a choice like any
-other and is left again. Once the estimate is sure the choice is best, no probe runs; as the
-counts decay without new drafts, the bounds widen and probing resumes by itself. Before any
-decision, a batch size the table runs at K = 0 probes K = 1.
+tested yet. Probes are drafting shapes: a plain step measures nothing. Once the estimate is sure
+the choice is best, no probe runs; as the counts decay without new drafts, the bounds widen and
+probing resumes by itself -- except at K = 0, where no drafts arrive and the estimate only ages
+(traffic that turned easier would go unseen for good): a batch size whose choice is plain keeps
+K = 1 at its full budget as a probe, every max(1, loss * max(loss, ``BLIND_NEAR``) / (BLIND_NEAR *
+``BLIND_COST`` * margin)) steps, at most ``BLIND_WAIT`` * probe_every, so K = 0 is a choice like
+any other and is left again. Before any decision, a batch size the table runs at K = 0 probes K = 1.
 
 Acceptance that depends on K: the model above takes the rates measured at one K to hold at
 another, and they need not (an n-gram match is a span, and a larger K crosses it in fewer steps,
@@ -143,6 +146,9 @@ MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the chang
 PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
 PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
+BLIND_COST = 0.5  # a plain choice's K = 1 probe costs at most this fraction of the margin ...
+BLIND_WAIT = 16  # ... and runs at least every BLIND_WAIT * probe_every steps
+BLIND_NEAR = 0.1  # beyond this loss, the probe budget falls as 1 / loss
 CUSUM_SLACK = 0.5  # Page's test: a block's standardized deviation counts beyond this many sigma
 CUSUM_LIMIT = 8.0  # ... and a change fires once the sum passes this (~10^4 blocks between false alarms)
 REGIME_SETTLE = 2  # steps after K changes whose counters stay out of the new K's own counts
@@ -698,6 +704,8 @@ class Planner:
         tried_p: Plan | None = None  # the best shape of the K a trial just measured
         tried_g = tok_cur[1] / cur_ms
         best, best_lb = cur, 1.0 + self.online.margin
+        blind: Plan | None = None  # K = 1 at its full budget (a plain choice's probe: every request drafts)
+        blind_g = 0.0
         if self.evidence < self.online.min_evidence:
             best_lb = math.inf  # too little evidence to move; probes still run
         probe: Plan | None = None
@@ -728,7 +736,7 @@ class Planner:
             c, u, n_k = corr[k]
             c *= fac[p]
             t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
-            if t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k or not trials):
+            if k and t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k or not trials):
                 # optimistic: best under the upper bounds (a K measured in a block of its own is
                 # not probed: one step of it inside another K's run measures neither; trials do)
                 probe, probe_g, probe_ms = p, t_hi / ms, ms
@@ -739,8 +747,10 @@ class Planner:
                     1.0 + z * math.sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
                 trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
                 # (by its tokens, or by a time not measured yet: a trial times it too)
-            if k == tried and t_mid > tried_g * ms:
+            if tried and k == tried and t_mid > tried_g * ms:
                 tried_p, tried_g = p, t_mid / ms
+            if k == 1 and p.verify_budget == b:
+                blind, blind_g = p, t_mid / ms
             if t_mid <= need * ms:
                 continue  # the point estimate's gain is below the margin, so is its lower bound
             t_lo = (b + b * S_lo[q] + r * s_lo[q + 1]) * c
@@ -768,6 +778,21 @@ class Planner:
                 s.trials += 1
         s.probe[b] = probe = probe if probe != best else None
         s.every[b] = every = self.online.probe_every
+        if probe is None and not best.k and blind is not None and every:
+            # plain decoding tests no draft: the estimate that chose it can only age, and traffic
+            # that turned easier goes unseen (a drift run at batch 256 ran K = 0 for all its 63
+            # full-load steps, 0.92 of fixed K = 1 on the H200); so K = 1 at its full budget stays
+            # a probe (every request drafts: an unbiased sample of the first position, where a
+            # budget that ranks requests tests the confident ones), as rarely as its loss allows:
+            # probing costs BLIND_COST * margin (point estimate) while K = 1 loses <= BLIND_NEAR,
+            # less beyond (a larger loss needs a larger shift to overturn), and it runs at least
+            # every BLIND_WAIT probe intervals
+            s.probe[b] = blind
+            loss = 1.0 - blind_g * best_ms / (_tokens(sums[1], b, 0) * fac[best])
+            m = self.online.margin or 1e-3
+            wait = loss * max(loss, BLIND_NEAR) / (BLIND_COST * m * BLIND_NEAR)
+            s.every[b] = max(1, min(BLIND_WAIT * every, math.ceil(wait)))
+            return
         if probe is not None and every and best_lb != math.inf:  # the cadence needs min_evidence too
             # a probe costs what its point estimate loses against the choice and may find what its
             # upper bound gains over it: it runs the more often the larger that upside is against

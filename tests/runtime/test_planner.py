@@ -6,6 +6,8 @@ import pytest
 
 from spectune.errors import TableError
 from spectune.runtime.planner import (
+    BLIND_COST,
+    BLIND_WAIT,
     PHI_MAX,
     PROBE_STEP,
     Plan,
@@ -311,6 +313,67 @@ def _goodput_ratio(p: Planner, b: int, rate: float, got: Plan) -> float:
     sums = _survival_sums([rate] * p.k_hi)
     g = {pm[0]: _tokens(sums, b, pm[0].verify_budget) / pm[1] for pm in p._cands[b]}
     return g[got] / g[best_plan(p, b, rate)]
+
+
+def test_a_plain_choice_keeps_testing_k1_and_leaves_it_when_traffic_turns_easier():
+    """Plain decoding tests no draft, so the estimate that chose it only ages: settled and sure at
+    a low acceptance, the batch size still runs K = 1 at its full budget now and then (every
+    request drafts one token), as rarely as its loss allows, and a shift to easy traffic is
+    seen within a few dozen steps."""
+    table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=TIERS_WIDE, min_k=0)
+    p = Planner(table)
+    b, n, low = 12, 2000, 0.05
+    assert run(p, b, low, 500).k == 0
+    assert p._s.choice[b].k == 0
+    probe = p._s.probe[b]
+    assert probe is not None and probe.k == 1 and probe.verify_budget == b  # kept: not None by the bounds
+    probes, seen = p.probes, []
+    for _ in range(n):
+        plan = p.plan(b)
+        seen.append(plan)
+        p.observe(*counters(plan, b, low))
+    ran = [q for q in seen if q.k]
+    assert ran and all(q == probe for q in ran)
+    # what the probes cost at the true rate: at most BLIND_COST x margin, with room for rounding
+    sums = _survival_sums([low] * p.k_hi)
+    g_plain = b / step_ms(p.cost, b, 0, seen[0].tier)
+    loss = 1.0 - _tokens(sums, b, probe.verify_budget) / step_ms(p.cost, b, 1, probe.tier) / g_plain
+    assert loss > 0 and len(ran) * loss / n <= 1.5 * BLIND_COST * table.policy.online.margin
+    assert p.probes - probes == len(ran)
+    # the traffic turns easy: a probe shows it, and K leaves 0
+    def easy_step() -> bool:
+        plan = p.plan(b)
+        p.observe(*counters(plan, b, 0.9))
+        return p._s.choice[b].k > 0
+
+    took = next((i for i in range(BLIND_WAIT * table.policy.online.probe_every) if easy_step()), None)
+    assert took is not None and took < 64, took
+
+
+@pytest.mark.parametrize("rate", [0.02, 0.3, 0.9])
+def test_plain_decoding_is_never_a_probe(rate):
+    """A probe is run for what it measures; a K = 0 step measures nothing (a plain probe every
+    step, the choice never run again, froze the estimate of a batch-256 drift run)."""
+    for min_evidence in (8.0, 1e5):  # (1e5: the choice cannot move, the probes still run)
+        p = Planner(make_table(rows=[Row((1, 16), 2, 32)], tiers=TIERS_WIDE + [48, 64], min_k=0,
+                               min_evidence=min_evidence))
+        for b in (2, 8, 12, 16):
+            for _ in range(100):
+                plan = p.plan(b)
+                p.observe(*counters(plan, b, rate))
+                assert all(q is None or q.k for q in p._s.probe), (b, p._s.probe[b])
+
+
+@pytest.mark.parametrize("min_k", [1, 0])
+def test_too_little_evidence_keeps_the_table_k_at_a_batch_with_trials(min_k):
+    """Before min_evidence nothing moves, plain decoding included (a batch size where trials run
+    took plain as the K of a trial that had just ended when none had)."""
+    table = make_table(rows=[Row((1, 16), 2, 32)], tiers=TIERS_WIDE, min_k=min_k, min_evidence=64)
+    p = Planner(table)
+    assert p.plan(12).k == 2
+    for _ in range(10):
+        p.observe([0.0, 0.0], [5.0, 0.0])  # 50 tested first drafts, none accepted
+    assert p.evidence < 64 and p.plan(12).k == 2
 
 
 def test_batch_1_climbs_to_the_best_k_in_a_short_run():
