@@ -146,7 +146,7 @@ MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the chang
 PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
 PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
-BLIND_COST = 0.5  # a plain choice's K = 1 probe costs at most this fraction of the margin ...
+BLIND_COST = 0.25  # a plain choice's K = 1 probe costs at most this fraction of the margin (as trials) ...
 BLIND_WAIT = 16  # ... and runs at least every BLIND_WAIT * probe_every steps
 BLIND_NEAR = 0.1  # beyond this loss, the probe budget falls as 1 / loss
 CUSUM_SLACK = 0.5  # Page's test: a block's standardized deviation counts beyond this many sigma
