@@ -792,8 +792,7 @@ class Planner:
             m = self.online.margin or 1e-3
             wait = loss * max(loss, BLIND_NEAR) / (BLIND_COST * m * BLIND_NEAR)
             s.every[b] = max(1, min(BLIND_WAIT * every, math.ceil(wait)))
-            return
-        if probe is not None and every and best_lb != math.inf:  # the cadence needs min_evidence too
+        elif probe is not None and every and best_lb != math.inf:  # the cadence needs min_evidence too
             # a probe costs what its point estimate loses against the choice and may find what its
             # upper bound gains over it: it runs the more often the larger that upside is against
             # the cost (a cheap probe with room above runs often, a costly or a hopeless one rarely)

@@ -336,7 +336,7 @@ def test_a_plain_choice_keeps_testing_k1_and_leaves_it_when_traffic_turns_easier
     assert ran and all(q == probe for q in ran)
     # what the probes cost at the true rate: at most BLIND_COST x margin, with room for rounding
     sums = _survival_sums([low] * p.k_hi)
-    g_plain = b / step_ms(p.cost, b, 0, seen[0].tier)
+    g_plain = b / step_ms(p.cost, b, 0, p._s.choice[b].tier)
     loss = 1.0 - _tokens(sums, b, probe.verify_budget) / step_ms(p.cost, b, 1, probe.tier) / g_plain
     assert loss > 0 and len(ran) * loss / n <= 1.5 * BLIND_COST * table.policy.online.margin
     assert p.probes - probes == len(ran)
