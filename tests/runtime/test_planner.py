@@ -604,3 +604,23 @@ def test_step_times_of_a_shape_are_its_own_and_robust():
     assert p.snapshot_online().lt == before.lt and p.snapshot_online().timed == before.timed
     p.reset_online()
     assert p._timing(12, k2)[0] == 1.0
+
+
+def test_a_sharp_shift_is_detected_inside_a_block():
+    # Page's test also runs on the block so far: a shift that carries it past its limit in one
+    # step is acted on then, not at the block's end (decide_every steps later)
+    rng = random.Random(3)
+    p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 4, 64)], tiers=TIERS_WIDE, min_k=0))
+    every = p.online.decide_every
+    assert every >= 4
+    while p._s.steps < 400 or p._s.steps % every != 1:  # stationary, then one step into a block
+        plan = p.plan(16)
+        p.observe(*noisy_counters(plan, 16, 0.9, rng))
+    assert p.changes == 0
+    seen = 0
+    while not p.changes and seen < every - 1:
+        plan = p.plan(16)
+        assert plan.k > 0
+        p.observe(*noisy_counters(plan, 16, 0.2, rng))
+        seen += 1
+    assert p.changes == 1 and seen <= 2 < every - 1
