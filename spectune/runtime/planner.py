@@ -134,7 +134,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from operator import add
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from spectune.errors import SpectuneError, TableError
 from spectune.runtime.costs import CostModel
@@ -176,8 +176,7 @@ class PolicyMismatchWarning(UserWarning):
     """Warned (not raised) when a table from another GPU is loaded with on_gpu_mismatch='warn'."""
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):  # a tuple: hashed in C (a step looks shapes up by plan a dozen times)
     k: int  # drafts proposed per request; 0 = plain decoding
     verify_budget: int  # draft tokens verified this step over all requests, <= batch * k
     tier: int | None  # captured token count replayed (>= batch + verify_budget); None = eager
@@ -443,7 +442,7 @@ class Planner:
             s.ra = list(map(add, s.ra, acc)) if s.ra else list(acc)
             s.rt = list(map(add, s.rt, off)) if s.rt else list(off)
         s.steps += 1
-        if s.steps % self.online.decide_every and not (off[0] and self._page_fires()):
+        if s.steps - s.folded < self.online.decide_every and not (off[0] and self._page_fires()):
             return  # estimate, test and decide every decide_every observed steps (sooner when
             # the block so far already carries Page's test past its limit: a shift shows in a step)
         block = self._fold()

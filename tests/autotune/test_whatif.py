@@ -34,11 +34,13 @@ def test_shared_planner_is_trained_once_and_serves_every_seed(tmp_path):
 
 
 def test_served_cost_off_the_table_is_recovered_by_measured_step_times():
-    """The shipped qwen3-8b table served where its drafter costs 1.4x what the profile says (a GPU
+    """The shipped qwen3-8b table served where its drafter costs more than the profile says (a GPU
     whose step times the table's cost model does not know), on MT-Bench n-gram traffic it was not
-    tuned on, at batch 16 under the bench's protocol: planning on the model alone, auto runs K 3
-    where fixed:1 is faster (0.983 of it when measured); with the steps' measured times it comes
-    within 0.98 of the best arm -- judged on the served cost, against every fixed K 1..7."""
+    tuned on, at batch 16 under the bench's protocol, judged on the served cost against every
+    fixed K 1..7 and plain. At 1.4x auto with the steps' measured times is within 0.98 of the
+    best arm (the model alone is too: 0.996, its in-block change test and online K cover it). At
+    2.5x the model alone ranks the shapes wrong (0.936 of the best arm) and the measured times
+    recover most of it (0.975)."""
     import dataclasses
     import importlib.resources
 
@@ -47,12 +49,14 @@ def test_served_cost_off_the_table_is_recovered_by_measured_step_times():
     path = importlib.resources.files("spectune").joinpath(
         "profiles", "nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml")
     table_cost = load(str(path), on_gpu_mismatch="ignore").cost
-    d = table_cost.params.drafter
-    slow = dataclasses.replace(d, fixed_ms=1.4 * d.fixed_ms, step_ms=1.4 * d.step_ms, token_ms=1.4 * d.token_ms)
-    served = dataclasses.replace(table_cost, params=dataclasses.replace(table_cost.params, drafter=slow))
     acceptance = resolve_acceptance(heldout_sources()["mtbench-ngram"][0], 15)
 
-    def ratio(time_feedback: bool) -> float:
+    def ratio(time_feedback: bool, factor: float) -> float:
+        d = table_cost.params.drafter
+        slow = dataclasses.replace(d, fixed_ms=factor * d.fixed_ms, step_ms=factor * d.step_ms,
+                                   token_ms=factor * d.token_ms)
+        served = dataclasses.replace(table_cost, params=dataclasses.replace(table_cost.params, drafter=slow))
+
         def make():
             p = load(str(path), on_gpu_mismatch="ignore")
             p.online = dataclasses.replace(p.online, time_feedback=time_feedback)
@@ -63,5 +67,6 @@ def test_served_cost_off_the_table_is_recovered_by_measured_step_times():
         rows = simulate_table(what, [16], [*(f"fixed:{k}" for k in range(1, 8)), "plain", "auto"])["rows"]
         return next(r["full_ratio_vs_best_other"] for r in rows if r["arm"] == "auto")
 
-    on, off = ratio(True), ratio(False)
-    assert on >= 0.98 and on > off  # off: 0.983 since Page's test runs inside a block (0.967 before)
+    assert ratio(True, 1.4) >= 0.98
+    on, off = ratio(True, 2.5), ratio(False, 2.5)
+    assert on > off + 0.02, (on, off)
