@@ -12,10 +12,9 @@ tokens of KV per request) is timed at q = 1 for each batch size with the profile
   fused_kv  ``model.kv_write = True`` (the default of ``fused``): the KV-cache write inside
             the q/k-norm + RoPE kernel (``kernels.fused.qk_norm_rope_write``), one launch less per
             layer (only with paged Triton attention: ``--attention torch`` makes it ``fused``)
-  fused_small_m  ``fused_kv`` with the projections at 1..16 rows through the small-M Triton
-            linear (``model.small_m``, ``kernels/gemv.py``; its configs from
-            ``SPECTUNE_GEMV_CONFIGS`` or the GPU's shipped table, else the heuristic); above 16 rows
-            it is F.linear, as in ``fused_kv``
+  fused_small_m  ``fused_kv`` with ``model.small_m`` (the decoder's default): a one-row
+            forward (batch 1) runs its projections and the lm_head through the one-row Triton
+            kernel (``kernels.gemv.gemv_row``); more rows are F.linear, as in ``fused_kv``
   compiled  the yardstick: a decoder of this script's own over the same weights, one layer
             function ``torch.compile``'d (static shapes, one graph per batch size, reused by every
             layer), folded-GQA SDPA over a dense static KV of context + 1 slots per request, the

@@ -14,6 +14,8 @@ x [M, K] bf16 times the weight [N, K] transposed, several ways:
              recorded in the cell) for M <= 16 where Triton runs (CUDA, or CPU under
              TRITON_INTERPRET=1), else skipped; its output also against F.linear's
              (``rel_err_linear``)
+  triton_row ``kernels.gemv.gemv_row`` (the one-row streaming kernel, its heuristic config) at
+             M = 1 only, where Triton runs
 
 A decode step reads each weight once from HBM; a weight smaller than the GPU's L2 timed alone
 would be read from L2 instead. So one timed run multiplies ``copies`` distinct weights in turn
@@ -26,7 +28,8 @@ Correctness first: every arm's output against a float32 product of the same inpu
 error of the max-norm).
 
 ``--sweep`` also times every candidate config of the small-M kernel
-(``kernels.gemv.candidate_configs``) at each M <= 16 (in the cell's ``sweep``) and writes the
+(``kernels.gemv.candidate_configs``) at each M <= 16 and of the one-row kernel
+(``row_candidate_configs``) at M = 1 (in each cell's ``sweep``), and writes the small-M kernel's
 winner per weight shape (lowest geometric mean of time / best over the M values) as a
 ``kernels.gemv`` config table, ``gemv_configs.json`` (to ship: ``kernels/configs/gemv/<GPU>.json``).
 
@@ -65,6 +68,9 @@ from spectune.kernels.gemv import (
     GemvConfig,
     candidate_configs,
     default_config,
+    gemv_row,
+    row_candidate_configs,
+    row_default_config,
     small_m_matmul,
     small_m_ok,
     table_to_json,
@@ -76,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_common import first_line, int_list, say  # noqa: E402  (the probes' shared helpers)
 
 DEFAULT_MS = "1,2,4,8,16,32,64"
-ARMS = ("matmul", "linear", "linear_lt", "fp8", "triton_small_m")
+ARMS = ("matmul", "linear", "linear_lt", "fp8", "triton_small_m", "triton_row")
 MAX_COPIES = 64
 SWEEP_MAX_REL_ERR = 0.02  # a swept config's output against the float32 product (bf16 out)
 GB = 1e9
@@ -123,6 +129,8 @@ def arms_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Any]:
         if cuda else "CUDA only",
         "triton_small_m": (lambda: [small_m_matmul(x, w) for w in weights], 2 * n * k, None)
         if small_m_ok(x, weights[0]) else f"M <= {MAX_M}, bf16/fp16, where Triton runs",
+        "triton_row": (lambda: [gemv_row(x, w) for w in weights], 2 * n * k, None)
+        if small_m_ok(x, weights[0]) and x.shape[0] == 1 else "M = 1, bf16/fp16, where Triton runs",
     }
     if not scaled_mm_ok(x, weights[0]):  # (by the shape and the device only)
         arms["fp8"] = "torch._scaled_mm does not run here (CUDA, capability >= 8.9, K, N % 16)"
@@ -139,14 +147,16 @@ def arms_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Any]:
 
 
 def sweep_small_m(timer: Timer, x: torch.Tensor, weights: list[torch.Tensor],
-                  want: torch.Tensor, label: str) -> list[dict[str, Any]]:
-    """Every candidate config of the small-M kernel on these inputs: ms per GEMM, inf where it
-    fails (out of resources) or its result is off (relative error over ``SWEEP_MAX_REL_ERR``)."""
+                  want: torch.Tensor, label: str, row: bool = False) -> list[dict[str, Any]]:
+    """Every candidate config of the small-M kernel (``row``: of the one-row kernel) on these
+    inputs: ms per GEMM, inf where it fails (out of resources) or its result is off (relative
+    error over ``SWEEP_MAX_REL_ERR``)."""
     n, k = weights[0].shape
     out = []
-    for cfg in candidate_configs(n, k, num_sms(x.device)):
-        def run(cfg: GemvConfig = cfg) -> list[torch.Tensor]:
-            return [small_m_matmul(x, w, cfg) for w in weights]
+    cands: list[Any] = (row_candidate_configs if row else candidate_configs)(n, k, num_sms(x.device))
+    for cfg in cands:
+        def run(cfg: Any = cfg) -> list[torch.Tensor]:
+            return [(gemv_row if row else small_m_matmul)(x, w, cfg) for w in weights]
 
         entry: dict[str, Any] = {"config": dataclasses.asdict(cfg), "ms": math.inf}
         try:
@@ -210,6 +220,8 @@ def check_shape(
                 with blas_library(lib):
                     got = run()[0].float()
                     cell["rel_err"] = float((got - want).abs().max() / want.abs().max())
+                    if arm == "triton_row":
+                        cell["config"] = dataclasses.asdict(row_default_config(device, n, k))
                     if arm == "triton_small_m":
                         cell["rel_err_linear"] = float((got - lin).abs().max() / lin.abs().max())
                         cell["config"] = dataclasses.asdict(default_config(device, n, k))
@@ -219,8 +231,9 @@ def check_shape(
                 ms_one = t.median_ms / copies
                 gbps = nbytes / (ms_one * 1e-3) / GB
                 cell.update(ms=ms_one, gbps=gbps, of_read_bw=gbps / read_gbps, mode=t.mode)
-                if arm == "triton_small_m" and sweep:
-                    cell["sweep"] = sweep_small_m(timer, x, weights, want, f"gemm {name} m={m}")
+                if arm in ("triton_small_m", "triton_row") and sweep:
+                    cell["sweep"] = sweep_small_m(timer, x, weights, want, f"gemm {name} m={m} {arm}",
+                                                  row=arm == "triton_row")
             except Exception as exc:  # one bad point must not end the run
                 cell["error"] = first_line(exc)
             row[arm] = cell
@@ -242,6 +255,18 @@ def print_table(result: dict[str, Any]) -> None:
                          else ("-" if "skipped" in c else "error"))
         say(f"{r['shape']:<8} {r['n']:>6}x{r['k']:<6} {r['m']:>3} "
             + " ".join(f"{c:>17}" for c in cells))
+
+
+def print_row_sweep(result: dict[str, Any]) -> None:
+    """The one-row kernel's sweep at M = 1: heuristic -> fastest config, beside F.linear."""
+    say("\none-row sweep (M = 1): us per GEMM, F.linear | heuristic -> fastest")
+    for r in result["rows"]:
+        cell, lin = r.get("triton_row", {}), r.get("linear", {})
+        ok = [e for e in cell.get("sweep", []) if math.isfinite(e["ms"])]
+        if ok and "ms" in cell and "ms" in lin:
+            best = min(ok, key=lambda e: e["ms"])
+            say(f"  {r['shape']:<8} {lin['ms'] * 1e3:7.1f} | {cell['ms'] * 1e3:7.1f} -> {best['ms'] * 1e3:7.1f}"
+                f"  {best['config']}")
 
 
 def write_sweep_table(result: dict[str, Any], device: torch.device, path: Path) -> None:
@@ -313,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"\n{result['wall_s']:.0f} s; wrote {path}")
     if args.sweep:
         write_sweep_table(result, device, out / "gemv_configs.json")
+        print_row_sweep(result)
     return 0
 
 

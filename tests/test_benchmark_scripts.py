@@ -378,6 +378,7 @@ def test_gemm_check_sweep_writes_a_config_table(tmp_path, monkeypatch):
 
     mod = load("gemm_check")
     monkeypatch.setattr(mod, "candidate_configs", lambda n, k, sms: gemv.candidate_configs(n, k, sms)[:2])
+    monkeypatch.setattr(mod, "row_candidate_configs", lambda n, k, sms: gemv.row_candidate_configs(n, k, sms)[:2])
     assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "1", "--flush-mib", "1",
                      "--read-mib", "1", "--out-dir", str(tmp_path), "--sweep"]) == 0
     res = json.loads((tmp_path / "gemm_check.json").read_text())
@@ -389,6 +390,12 @@ def test_gemm_check_sweep_writes_a_config_table(tmp_path, monkeypatch):
         assert swept == gemv.candidate_configs(r["n"], r["k"], 1)[:2]
         assert all(e["ms"] > 0 and "error" not in e for e in cell["sweep"])
         assert table[(r["n"], r["k"])] in swept
+        row = r["triton_row"]  # the one-row kernel at M = 1, its two candidates swept too
+        assert row["rel_err"] < 0.02 and row["config"] == dataclasses.asdict(
+            gemv.row_default_config(torch.device("cpu"), r["n"], r["k"]))
+        assert [gemv.GemvRowConfig(**e["config"]) for e in row["sweep"]] == gemv.row_candidate_configs(
+            r["n"], r["k"], 1)[:2]
+        assert all(e["ms"] > 0 and "error" not in e for e in row["sweep"])
 
 
 def test_gemm_check_sweep_winner_is_the_best_over_all_m():

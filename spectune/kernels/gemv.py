@@ -20,8 +20,23 @@ last bit of the cast where that order moves a value across a rounding boundary).
 
 Capturable in a CUDA graph: no host sync; the output and the workspace come from torch's caching
 allocator (a captured graph keeps its own, the same every replay), their sizes fixed by the
-shapes. ``small_m_linear`` runs the kernel where it applies (``small_m_ok``) and ``F.linear``
-elsewhere.
+shapes. Measured on the H200 it loses to cuBLAS at every M = 1..16 (1.4-1.7x with its best swept
+config), so ``small_m_linear`` does not run it: it is kept for the sweep and as the multi-row
+starting point.
+
+One row (M = 1) has its own kernel, ``gemv_row``: the streaming GEMV, no tl.dot (x padded to 16
+rows wastes the dot's N side 16x) and no split-K (one launch, no workspace, no reduce pass):
+
+    program n owns output columns [n * BLOCK_N, (n + 1) * BLOCK_N) and reads their whole K:
+        acc [BLOCK_N, BLOCK_K] += w_tile [BLOCK_N, BLOCK_K] * x_chunk [1, BLOCK_K]   (fp32)
+    over the BLOCK_K chunks, then y = sum(acc, axis=1) once, cast to x's dtype.
+
+Its fill of the GPU comes from the column blocks alone (``row_heuristic_config`` picks BLOCK_N for
+about ``ROW_PROGRAMS_PER_SM`` programs per SM); the w tile is contiguous along K so its loads
+vectorise. Deterministic: each output's sum is one program's, in a fixed order. H200, qwen3-8b's
+weights at M = 1: 1.03-1.25x faster than cuBLAS (wo 10.6 vs 13.2 us, 3.16 TB/s; lm_head 282 vs
+297 us, 4.41 TB/s); ``small_m_linear`` runs it at one row (``small_m_ok``), ``F.linear``
+elsewhere. Its configs have no table, only the heuristic (the best swept is 1-5 % faster).
 
 Configs per weight shape (N, K): a tuned table's entry for exactly that shape, else
 ``heuristic_config``. Tables are JSON files ``configs/gemv/<device name>.json`` (none shipped yet:
@@ -59,6 +74,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what small_m_m
 PROGRAMS_PER_SM = 4  # split K until the grid holds about this many programs per SM
 MIN_K_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_K chunks
 MAX_SPLIT_K = 16
+ROW_PROGRAMS_PER_SM = 4  # gemv_row: the widest column block that still gives this many programs per SM
+ROW_TILE = 8192  # gemv_row heuristic: at most this many w elements a tile (64 fp32 accumulators a thread at 4 warps)
 
 
 def _pow2(v: int) -> bool:
@@ -112,7 +129,9 @@ def launch_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
     """What ``gemm_check.py --sweep`` times for one shape: the heuristic's config, and around it
     block_n 32/64/128, block_k 128/256/512 (at most K's power of 2), splits half / same / twice
-    the heuristic's for each tile (as the launch runs them), 4 or 8 warps, 3 or 4 stages."""
+    the heuristic's for each tile (as the launch runs them), 4 stages, 4 warps (also 8 for the
+    128-wide tile: a narrower tile holds too few loads per warp for 8 to help). About 36 configs
+    a shape, so a sweep of one decoder's five weights at three M values stays within a minute."""
     base = heuristic_config(n, k, num_sms)
     out = {base}
     k_pow2 = max(16, triton.next_power_of_2(k))
@@ -121,9 +140,62 @@ def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
             auto = auto_splits(n, k, block_n, block_k, num_sms)
             for split in {max(1, auto // 2), auto, 2 * auto}:
                 split = launch_splits(k, block_k, min(split, 64))[0]
-                for warps in (4, 8):
-                    for stages in (3, 4):
-                        out.add(GemvConfig(block_n, block_k, split, warps, stages))
+                for warps in (4, 8) if block_n == 128 else (4,):
+                    out.add(GemvConfig(block_n, block_k, split, warps, 4))
+    return sorted(out, key=lambda c: (c != base, tuple(asdict(c).values())))
+
+
+@dataclass(frozen=True)
+class GemvRowConfig:
+    """``gemv_row``'s launch: a [block_n, block_k] w tile per loop step, one program per block_n
+    output columns (no split: a program reads its columns' whole K)."""
+
+    block_n: int  # output columns per program (w rows of a tile)
+    block_k: int  # K per loop step (contiguous along a w row: the vectorised side)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        check(_pow2(self.block_n) and self.block_n <= 128, "block_n",
+              f"must be a power of 2 in 1..128, got {self.block_n}")
+        check(_pow2(self.block_k) and 16 <= self.block_k <= 4096, "block_k",
+              f"must be a power of 2 in 16..4096, got {self.block_k}")
+        check(self.num_warps in (1, 2, 4, 8), "num_warps", f"must be 1, 2, 4 or 8, got {self.num_warps}")
+        check(1 <= self.num_stages <= 8, "num_stages", f"must be in 1..8, got {self.num_stages}")
+
+
+def row_heuristic_config(n: int, k: int, num_sms: int) -> GemvRowConfig:
+    """Config for ``gemv_row`` on a [N, K] weight: the widest block_n of 32/16/8 that still gives
+    ``ROW_PROGRAMS_PER_SM`` programs per SM (8 if none does: the GPU is filled by column blocks
+    alone), block_k 512 at most (and at most K's power of 2 and ``ROW_TILE`` elements a tile:
+    64 fp32 accumulators a thread), 4 warps, 3 stages. H200 (132 SMs, 528 programs wanted)
+    qwen3-8b: wo 4096 x 4096, wqkv 6144 x 4096 and w2 4096 x 12288 -> 8 x 512 (512, 768, 512
+    programs); w13 24576 x 4096 -> 32 x 256 (768); lm_head 151936 x 4096 -> 32 x 256 (4748)."""
+    want = ROW_PROGRAMS_PER_SM * num_sms
+    block_n = next((b for b in (32, 16, 8) if triton.cdiv(n, b) >= want), 8)
+    k_pow2 = max(16, triton.next_power_of_2(k))
+    return GemvRowConfig(block_n=block_n, block_k=min(512, k_pow2, ROW_TILE // block_n))
+
+
+def row_candidate_configs(n: int, k: int, num_sms: int) -> list[GemvRowConfig]:
+    """What a sweep times for ``gemv_row`` on one shape: the heuristic's config first, then
+    block_n 4/8/16/32 x block_k 256/512/1024 (at most K's power of 2) pruned by the tile:
+    2K..16K elements (smaller: too little in flight a program; larger: too many accumulators);
+    4 warps up to 8K elements, 8 from 8K (about 16..64 fp32 accumulators a thread); stages so
+    that the tiles loaded ahead of the one in use, (stages - 1) x the bf16 tile, hold 8..32 KiB.
+    27 configs at K >= 1024 (qwen3-8b's five weights), fewer where K caps block_k."""
+    base = row_heuristic_config(n, k, num_sms)
+    out = {base}
+    k_pow2 = max(16, triton.next_power_of_2(k))
+    for block_n in (4, 8, 16, 32):
+        for block_k in sorted({min(b, k_pow2) for b in (256, 512, 1024)}):
+            tile = block_n * block_k
+            if not 2048 <= tile <= 16384:
+                continue
+            for warps in (w for w, lo, hi in ((4, 0, 8192), (8, 8192, 1 << 30)) if lo <= tile <= hi):
+                for stages in (2, 3, 4):
+                    if 8192 <= 2 * tile * (stages - 1) <= 32768:
+                        out.add(GemvRowConfig(block_n, block_k, warps, stages))
     return sorted(out, key=lambda c: (c != base, tuple(asdict(c).values())))
 
 
@@ -212,6 +284,16 @@ def small_m_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _row_config(sms: int, n: int, k: int) -> GemvRowConfig:
+    return row_heuristic_config(n, k, sms)
+
+
+def row_default_config(device: torch.device, n: int, k: int) -> GemvRowConfig:
+    """``gemv_row``'s config when none is given: the heuristic for this GPU's SMs (1 SM off CUDA)."""
+    return _row_config(_device_facts(device)[1], n, k)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
@@ -284,6 +366,40 @@ def _reduce_splits_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gemv_row_kernel(
+    # Pointers
+    x_ptr,  # [1, K] bf16/fp16/fp32, contiguous
+    w_ptr,  # [N, K], same dtype, last dim contiguous
+    y_ptr,  # [1, N] in x's dtype
+    # Dimensions
+    n_cols,
+    k_dim,
+    stride_wn,
+    # Meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # BLOCK_K divides K: no K mask, so nothing stops the loads vectorising
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = w rows
+    # Tail columns read w's last row again instead of a masked load (the store drops them): the
+    # w loads keep no N mask.
+    w_rows = w_ptr + tl.minimum(cols, n_cols - 1).to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")  # read once: stream it
+            xk = tl.load(x_ptr + ks, eviction_policy="evict_last")  # read by every program
+        else:
+            k_ok = ks < k_dim
+            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]  # [BLOCK_N, BLOCK_K]
+    y = tl.sum(acc, axis=1)  # [BLOCK_N], once after the loop
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
 REDUCE_BLOCK = 1024
 
 
@@ -318,6 +434,30 @@ def small_m_matmul(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None =
     return y
 
 
+def gemv_row(x: torch.Tensor, w: torch.Tensor, config: GemvRowConfig | None = None) -> torch.Tensor:
+    """Same as :func:`small_m_matmul_ref` up to the order of the fp32 sums, for one row: x [1, K],
+    w [N, K] -> [1, N] in x's dtype; one launch (no split-K workspace), deterministic. Capturable."""
+    check(x.ndim == 2 and x.shape[0] == 1, "x", f"must be [1, K], got shape {tuple(x.shape)}")
+    check(w.ndim == 2, "w", f"must be [N, K], got shape {tuple(w.shape)}")
+    k = x.shape[1]
+    n = w.shape[0]
+    check(w.shape[1] == k, "w", f"K {w.shape[1]} != x's K {k}")
+    check(x.dtype in KERNEL_DTYPES, "x", f"must be bf16, fp16 or fp32, got {x.dtype}")
+    check(w.dtype == x.dtype, "w", f"dtype {w.dtype} != x's {x.dtype}")
+    check(w.device == x.device, "w", f"device {w.device} != x's {x.device}")
+    check(x.stride(-1) == 1, "x", "needs a contiguous last dim")
+    check(w.stride(-1) == 1, "w", "needs a contiguous last dim")
+    check(k >= 1 and n >= 1, "w", f"needs N, K >= 1, got {tuple(w.shape)}")
+    cfg = config or row_default_config(x.device, n, k)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, y, n, k, w.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
 # Linear layer
 
@@ -337,11 +477,14 @@ def small_m_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias) for x [..., K], w [N, K]: the kernel where ``small_m_ok``,
-    else F.linear itself."""
-    if not small_m_ok(x, w):
+    """``F.linear(x, w)`` (no bias) for x [..., K], w [N, K]: the one-row kernel (``gemv_row``) at
+    one row where ``small_m_ok``, else F.linear itself. On the H200 the one-row kernel reads
+    qwen3-8b's weights 1.03-1.25x faster than cuBLAS; the small-M kernel at 2..16 rows is 1.4-1.6x
+    slower than cuBLAS, so it stays out of this path (benchmarks/gemm_check.py, docs/BENCHMARKS.md
+    section 8)."""
+    if x.numel() != x.shape[-1] or not small_m_ok(x, w):
         return F.linear(x, w)
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    y = small_m_matmul(x2 if x2.stride(-1) == 1 else x2.contiguous(), w)
+    x2 = x.reshape(1, k)
+    y = gemv_row(x2 if x2.stride(-1) == 1 else x2.contiguous(), w)
     return y.view(*x.shape[:-1], w.shape[0])

@@ -70,8 +70,8 @@ def linear(x: Tensor, w: Weight) -> Tensor:
 
 
 def linear_small_m(x: Tensor, w: Weight) -> Tensor:
-    """``linear`` with bf16/fp16 weights at 1..16 rows through the small-M kernel
-    (``kernels/gemv.py``), F.linear elsewhere; FP8 weights as ``linear``."""
+    """``linear`` with bf16/fp16 weights at one row through the one-row kernel
+    (``kernels/gemv.py``: ``small_m_linear``), F.linear elsewhere; FP8 weights as ``linear``."""
     return w(x) if isinstance(w, Fp8Linear) else small_m_linear(x, w)
 
 
@@ -207,7 +207,7 @@ def run_layers(layers: Sequence[DecoderLayer], x: Tensor, rope: tuple[Tensor, Te
     carried beside the normalised input, so each residual add is one kernel with the norm after
     it (the last one with ``norm``), and q/k-norm + RoPE and SiLU x mul are one kernel each, the
     KV-cache write inside the q/k-norm + RoPE kernel where ``kv_write`` and ``writes_in_kernel``
-    allow, and the projections through the small-M kernel where ``small_m``; the references
+    allow, and the projections through the one-row kernel where ``small_m``; the references
     stand in where Triton cannot run (CPU without its interpreter)."""
     if not fused or not layers:
         for i, layer in enumerate(layers):
@@ -270,9 +270,10 @@ class Transformer(nn.Module):
         # less per layer (H200 qwen3-8b: 0.987-0.994x the step with the separate write,
         # benchmarks/fused_step.py)
         self.kv_write = True
-        # fused: the projections at 1..16 rows through the small-M Triton kernel (kernels/gemv.py)
-        # instead of F.linear; off until measured (benchmarks/gemm_check.py, triton_small_m)
-        self.small_m = False
+        # fused: the projections and the lm_head at one row (a batch-1 decode step) through the
+        # one-row Triton kernel (kernels/gemv.py) instead of F.linear (H200 qwen3-8b batch 1:
+        # 4.665 vs 5.088 ms a step, benchmarks/fused_step.py); more rows stay on F.linear
+        self.small_m = True
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
@@ -303,5 +304,6 @@ class Transformer(nn.Module):
         rope = self.rotary(positions, x.dtype)
         _, hidden = run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend, self.norm,
                                self.fused, self.kv_write, self.small_m)
-        logits = F.linear(hidden, self.head_weight)
+        w = self.head_weight
+        logits = small_m_linear(hidden, w) if self.fused and self.small_m else F.linear(hidden, w)  # [T, vocab]
         return (logits, hidden) if return_hidden else logits

@@ -1,5 +1,6 @@
 """Small-M linear: the kernel vs its torch reference on fresh random inputs (Triton's interpreter on
-CPU), with and without split-K; the heuristic's configs; ``small_m_linear``'s fallback to F.linear."""
+CPU), with and without split-K; the heuristic's configs; ``small_m_linear``'s fallback to F.linear.
+The one-row streaming GEMV (``gemv_row``) the same way: vs the reference, its inputs, its configs."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from spectune.kernels.gemv import (
     MAX_M,
     TABLE_ENV,
     GemvConfig,
+    GemvRowConfig,
     candidate_configs,
     config_for,
+    gemv_row,
     heuristic_config,
     launch_splits,
+    row_candidate_configs,
+    row_heuristic_config,
     small_m_linear,
     small_m_matmul,
     small_m_matmul_ref,
@@ -126,13 +131,17 @@ def test_config_validation_names_the_field():
         GemvConfig(split_k=0)
 
 
-def test_small_m_linear_runs_the_kernel_and_falls_back_to_f_linear():
+def test_small_m_linear_runs_the_one_row_kernel_and_falls_back_to_f_linear():
+    # one row: the one-row kernel; 2..16 rows: F.linear (the small-M kernel loses to cuBLAS there)
     w = rand(96, 256, seed=5, dtype=torch.bfloat16).to(DEVICE) / 16
     x = rand(2, 3, 256, seed=6, dtype=torch.bfloat16).to(DEVICE)  # [..., K], 6 rows
     assert small_m_ok(x, w)
     y = small_m_linear(x, w)
-    assert y.shape == (2, 3, 96)
-    assert torch.equal(y.reshape(6, 96), small_m_matmul(x.reshape(6, 256), w))
+    assert y.shape == (2, 3, 96) and torch.equal(y, F.linear(x, w))
+    one = x[:1, :1]  # [1, 1, K]
+    y1 = small_m_linear(one, w)
+    assert y1.shape == (1, 1, 96) and torch.equal(y1.reshape(1, 96), gemv_row(one.reshape(1, 256), w))
+    torch.testing.assert_close(y1.float(), F.linear(one, w).float(), atol=2e-2, rtol=2e-2)
     big = rand(MAX_M + 1, 256, seed=7, dtype=torch.bfloat16).to(DEVICE)  # M > 16
     fp32 = x.float()
     for a, b in ((big, w), (fp32, w.float()), (x[:, :0].reshape(0, 256), w)):
@@ -193,3 +202,93 @@ def test_bad_table_names_the_field(change, field):
     good = json.loads(table_to_json("NVIDIA H200", 132, "", {(64, 128): GemvConfig()}))
     with pytest.raises(ConfigTableError, match=re.escape(f"t.json: {field}")):
         table_from_dict({**good, **change}, "t.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# gemv_row: one row
+
+
+ROW_SHAPES = [(64, 128), (100, 200), (257, 1000), (1024, 4096)]  # (N, K); tails in N and in K
+ROW_CONFIGS = {
+    "heuristic": None,  # row_heuristic_config(N, K, 132), as on an H200
+    "narrow_many_k_steps": GemvRowConfig(block_n=4, block_k=128, num_warps=4, num_stages=2),
+    "wide_8_warps": GemvRowConfig(block_n=32, block_k=256, num_warps=8, num_stages=4),
+}
+
+
+def run_row(x: torch.Tensor, w: torch.Tensor, cfg: GemvRowConfig | None) -> torch.Tensor:
+    return gemv_row(x.to(DEVICE), w.to(DEVICE), cfg).cpu()
+
+
+@pytest.mark.parametrize("n, k", ROW_SHAPES)
+@pytest.mark.parametrize("cfg", list(ROW_CONFIGS), ids=list(ROW_CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_row_matches_reference(n, k, cfg, dtype):
+    x = rand(1, k, seed=n + k, dtype=dtype)  # [1, K]
+    w = rand(n, k, seed=n * k + 1, dtype=dtype) / k**0.5  # [N, K]
+    got = run_row(x, w, ROW_CONFIGS[cfg] or row_heuristic_config(n, k, 132))
+    assert got.shape == (1, n)
+    assert_near_reference(got, x, w)
+    ref = (x.float() @ w.float().t()).to(dtype)
+    assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-2
+
+
+def test_gemv_row_default_config_fp16_and_determinism():
+    x = rand(1, 320, seed=11, dtype=torch.float16)
+    w = rand(96, 320, seed=12, dtype=torch.float16) / 320**0.5
+    got = run_row(x, w, None)  # row_default_config: the heuristic for this device's SMs
+    assert_near_reference(got, x, w)
+    assert torch.equal(got, run_row(x, w, None))
+    # the same sums as small_m_matmul's one-row result, but for their order
+    torch.testing.assert_close(got, run(x, w, GemvConfig(block_n=32, block_k=64)), rtol=2e-3, atol=2e-3)
+
+
+def test_gemv_row_bad_inputs_name_the_field():
+    w = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="^x: must be \\[1, K\\]"):
+        gemv_row(torch.zeros(2, 128, dtype=torch.bfloat16), w)  # two rows
+    with pytest.raises(KernelInputError, match="^x: "):
+        gemv_row(torch.zeros(128, dtype=torch.bfloat16), w)  # 1-D
+    with pytest.raises(KernelInputError, match="^w: K 128 != x's K 64"):
+        gemv_row(torch.zeros(1, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(KernelInputError, match="^w: dtype"):
+        gemv_row(torch.zeros(1, 128, dtype=torch.float16), w)
+    with pytest.raises(KernelInputError, match="^x: must be bf16"):
+        gemv_row(torch.zeros(1, 128, dtype=torch.float64), w.double())
+    with pytest.raises(KernelInputError, match="^w: needs a contiguous last dim"):
+        gemv_row(torch.zeros(1, 64, dtype=torch.bfloat16), w.t())
+
+
+def test_gemv_row_config_validation_names_the_field():
+    with pytest.raises(KernelInputError, match="block_n"):
+        GemvRowConfig(block_n=12, block_k=256)
+    with pytest.raises(KernelInputError, match="block_k"):
+        GemvRowConfig(block_n=8, block_k=8)
+    with pytest.raises(KernelInputError, match="num_warps"):
+        GemvRowConfig(block_n=8, block_k=256, num_warps=3)
+    with pytest.raises(KernelInputError, match="num_stages"):
+        GemvRowConfig(block_n=8, block_k=256, num_stages=0)
+
+
+@pytest.mark.parametrize("n, k, block_n, block_k", [
+    (4096, 4096, 8, 512), (6144, 4096, 8, 512), (4096, 12288, 8, 512), (24576, 4096, 32, 256),
+    (151936, 4096, 32, 256), (64, 100, 8, 128),
+])
+def test_row_heuristic_fills_the_gpu(n, k, block_n, block_k):
+    cfg = row_heuristic_config(n, k, 132)
+    assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (block_n, block_k, 4, 3)
+    assert -(-n // cfg.block_n) >= 512 or cfg.block_n == 8  # about 4 programs per SM, or the narrowest
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288),
+                                  (151936, 4096), (64, 100), (100, 200)])
+def test_row_candidates_start_with_the_heuristic(n, k):
+    cands = row_candidate_configs(n, k, 132)
+    assert cands[0] == row_heuristic_config(n, k, 132)
+    assert len(set(cands)) == len(cands)
+    k_pow2 = 1 << (k - 1).bit_length()
+    assert all(c.block_k <= max(16, k_pow2) for c in cands)
+    if k >= 1024:
+        assert 20 <= len(cands) <= 30
+        assert {c.block_n for c in cands} == {4, 8, 16, 32} and {c.block_k for c in cands} == {256, 512, 1024}
+        assert {c.num_warps for c in cands} == {4, 8} and {c.num_stages for c in cands} == {2, 3, 4}

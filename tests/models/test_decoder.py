@@ -347,31 +347,35 @@ def test_fused_drafter_proposes_what_the_unfused_one_does(cls, paged):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_small_m_projections_track_f_linear(dtype, monkeypatch):
-    # model.small_m (off by default): the fused decoder's projections through the small-M kernel at
-    # 1..16 rows (bf16; fp32 stays on F.linear), the step otherwise the same
+def test_one_row_projections_track_f_linear(dtype, monkeypatch):
+    # model.small_m (on by default): a one-token forward of the fused decoder runs its projections
+    # and the lm_head through the one-row kernel (bf16; fp32 stays on F.linear); a forward of more
+    # tokens is F.linear throughout, bit for bit the step without it
     from spectune.kernels import gemv
     from spectune.models import decoder
 
     assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16).linear is decoder.linear
     assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16, small_m=True).linear is decoder.linear_small_m
     _, fused = fused_pair(dtype)
-    assert fused.small_m is False
+    assert fused.small_m is True
     calls = []
-    real = gemv.small_m_matmul
-    monkeypatch.setattr(gemv, "small_m_matmul", lambda x, w, *a: calls.append(w.shape) or real(x, w, *a))
-    meta = AttnMeta.from_lens([2, 1, 3], [8, 3, 5], max_q=3)
-    ids = torch.randint(1, TINY.vocab_size, (7,), generator=torch.Generator().manual_seed(3))
-    pos = torch.tensor([8, 9, 3, 5, 6, 7, 0])
-    outs = []
-    for small_m in (False, True):
-        cache = fresh_cache(TINY.n_layers, 3, 8, 3, dtype=dtype)
-        cache.randomize_(torch.Generator().manual_seed(5))
-        fused.backend, fused.small_m = cache, small_m
-        outs.append(fused(ids, pos, meta))
-    want = 4 * TINY.n_layers if dtype == torch.bfloat16 else 0  # wqkv, wo, w13, w2 per layer
-    assert len(calls) == want
-    if dtype == torch.float32:
-        assert torch.equal(outs[1], outs[0])
-    else:
-        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=0.1, rtol=0.05)
+    real = gemv.gemv_row
+    monkeypatch.setattr(gemv, "gemv_row", lambda x, w, *a: calls.append(w.shape) or real(x, w, *a))
+    monkeypatch.setattr(gemv, "small_m_matmul", lambda *a: pytest.fail("the small-M kernel is off this path"))
+    gen = torch.Generator().manual_seed(3)
+    for lens, ctx, pos in (([1], [8], [8]), ([2, 1, 3], [8, 3, 5], [8, 9, 3, 5, 6, 7, 0])):
+        meta = AttnMeta.from_lens(lens, ctx, max_q=max(lens))
+        ids = torch.randint(1, TINY.vocab_size, (len(pos),), generator=gen)
+        outs = []
+        calls.clear()
+        for small_m in (False, True):
+            cache = fresh_cache(TINY.n_layers, len(lens), 8, 3, dtype=dtype)
+            cache.randomize_(torch.Generator().manual_seed(5))
+            fused.backend, fused.small_m = cache, small_m
+            outs.append(fused(ids, torch.tensor(pos), meta))
+        one_row = len(pos) == 1 and dtype == torch.bfloat16
+        assert len(calls) == (4 * TINY.n_layers + 1 if one_row else 0)  # wqkv, wo, w13, w2 a layer; lm_head
+        if one_row:
+            torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=0.1, rtol=0.05)
+        else:
+            assert torch.equal(outs[1], outs[0])
