@@ -613,7 +613,7 @@ def test_a_sharp_shift_is_detected_inside_a_block():
     p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 4, 64)], tiers=TIERS_WIDE, min_k=0))
     every = p.online.decide_every
     assert every >= 4
-    while p._s.steps < 400 or p._s.steps % every != 1:  # stationary, then one step into a block
+    while p._s.steps < 400 or p._s.steps - p._s.folded != 1:  # stationary, then one step into a block
         plan = p.plan(16)
         p.observe(*noisy_counters(plan, 16, 0.9, rng))
     assert p.changes == 0
@@ -624,3 +624,29 @@ def test_a_sharp_shift_is_detected_inside_a_block():
         p.observe(*noisy_counters(plan, 16, 0.2, rng))
         seen += 1
     assert p.changes == 1 and seen <= 2 < every - 1
+
+
+def test_inside_a_block_the_test_waits_for_a_block_of_first_drafts():
+    # a step of batch 1 tests one first draft: the block so far is not tested before it holds
+    # decide_every of them (as many as a whole block of batch 1 does), so a step or two of noise
+    # cannot end the block; a batch of 16 tests that many in one step and ends it at once
+    from spectune.runtime.planner import CUSUM_LIMIT
+
+    for batch, ends in ((1, False), (16, True)):
+        rng = random.Random(4)
+        p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 4, 64)], tiers=TIERS_WIDE, min_k=0))
+        while p._s.steps < 400 or p._s.steps - p._s.folded != 1:
+            plan = p.plan(batch)
+            p.observe(*noisy_counters(plan, batch, 0.9, rng))
+        assert p.changes == 0 and p.plan(batch).k > 0
+        p._s.fall = CUSUM_LIMIT  # Page's sum at its limit: one step of rejections carries it past
+        plan = p.plan(batch)
+        acc, off = (list(c) + [0.0] * (p.k_hi - len(c)) for c in noisy_counters(plan, batch, 0.0, rng))
+        folded = p._s.folded
+        p._s.pa = [x + y for x, y in zip(p._s.pa, acc, strict=True)]  # the step's counts, not observed:
+        p._s.pt = [x + y for x, y in zip(p._s.pt, off, strict=True)]
+        assert p._page_fires()  # ... the block so far, ended now, would fire
+        p._s.pa, p._s.pt = [x - y for x, y in zip(p._s.pa, acc, strict=True)], [
+            x - y for x, y in zip(p._s.pt, off, strict=True)]
+        p.observe(acc, off)
+        assert (p._s.folded != folded) is ends and (p.changes == 1) is ends
