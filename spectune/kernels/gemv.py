@@ -403,20 +403,27 @@ def _gemv_row_kernel(
 REDUCE_BLOCK = 1024
 
 
-def small_m_matmul(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """Same as :func:`small_m_matmul_ref` up to the order of the fp32 sums; x [M, K] with
-    1 <= M <= 16, w [N, K]; one launch, two with split-K. Capturable."""
-    check(x.ndim == 2, "x", f"must be [M, K], got shape {tuple(x.shape)}")
+def _check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
+    """What both kernels ask of x [M, K] (its rows checked by the caller) and w [N, K]."""
     check(w.ndim == 2, "w", f"must be [N, K], got shape {tuple(w.shape)}")
-    m, k = x.shape
-    n = w.shape[0]
-    check(1 <= m <= MAX_M, "x", f"must have 1..{MAX_M} rows, got {m}")
+    k = x.shape[1]
     check(w.shape[1] == k, "w", f"K {w.shape[1]} != x's K {k}")
     check(x.dtype in KERNEL_DTYPES, "x", f"must be bf16, fp16 or fp32, got {x.dtype}")
     check(w.dtype == x.dtype, "w", f"dtype {w.dtype} != x's {x.dtype}")
     check(w.device == x.device, "w", f"device {w.device} != x's {x.device}")
-    check(x.stride(-1) == 1 and w.stride(-1) == 1, "x", "x and w need a contiguous last dim")
-    check(k >= 1 and n >= 1, "w", f"needs N, K >= 1, got {tuple(w.shape)}")
+    check(x.stride(-1) == 1, "x", "needs a contiguous last dim")
+    check(w.stride(-1) == 1, "w", "needs a contiguous last dim")
+    check(k >= 1 and w.shape[0] >= 1, "w", f"needs N, K >= 1, got {tuple(w.shape)}")
+
+
+def small_m_matmul(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """Same as :func:`small_m_matmul_ref` up to the order of the fp32 sums; x [M, K] with
+    1 <= M <= 16, w [N, K]; one launch, two with split-K. Capturable."""
+    check(x.ndim == 2, "x", f"must be [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    check(1 <= m <= MAX_M, "x", f"must have 1..{MAX_M} rows, got {m}")
+    _check_operands(x, w)
+    n = w.shape[0]
     cfg = config or default_config(x.device, n, k)
     split, k_chunk = launch_splits(k, cfg.block_k, cfg.split_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -438,16 +445,8 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, config: GemvRowConfig | None = No
     """Same as :func:`small_m_matmul_ref` up to the order of the fp32 sums, for one row: x [1, K],
     w [N, K] -> [1, N] in x's dtype; one launch (no split-K workspace), deterministic. Capturable."""
     check(x.ndim == 2 and x.shape[0] == 1, "x", f"must be [1, K], got shape {tuple(x.shape)}")
-    check(w.ndim == 2, "w", f"must be [N, K], got shape {tuple(w.shape)}")
-    k = x.shape[1]
-    n = w.shape[0]
-    check(w.shape[1] == k, "w", f"K {w.shape[1]} != x's K {k}")
-    check(x.dtype in KERNEL_DTYPES, "x", f"must be bf16, fp16 or fp32, got {x.dtype}")
-    check(w.dtype == x.dtype, "w", f"dtype {w.dtype} != x's {x.dtype}")
-    check(w.device == x.device, "w", f"device {w.device} != x's {x.device}")
-    check(x.stride(-1) == 1, "x", "needs a contiguous last dim")
-    check(w.stride(-1) == 1, "w", "needs a contiguous last dim")
-    check(k >= 1 and n >= 1, "w", f"needs N, K >= 1, got {tuple(w.shape)}")
+    _check_operands(x, w)
+    n, k = w.shape
     cfg = config or row_default_config(x.device, n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -463,8 +462,9 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, config: GemvRowConfig | None = No
 
 
 def small_m_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``small_m_linear`` runs the kernel: Triton runs on the device (CUDA, or CPU under
-    its interpreter), bf16/fp16 x and w of one dtype, 1 <= M <= 16 rows, contiguous last dims."""
+    """Whether the kernels here take x [..., K] and w: Triton runs on the device (CUDA, or CPU under
+    its interpreter), bf16/fp16 x and w of one dtype, 1 <= M <= 16 rows, w's last dim contiguous
+    (``small_m_linear`` runs ``gemv_row`` where this holds and M is 1)."""
     m = x.numel() // max(x.shape[-1], 1)
     return (
         triton_runs(x.device)
