@@ -15,6 +15,8 @@ tokens of KV per request) is timed at q = 1 for each batch size with the profile
   fused_small_m  ``fused_kv`` with ``model.small_m`` (the decoder's default): a one-row
             forward (batch 1) runs its projections and the lm_head through the one-row Triton
             kernel (``kernels.gemv.gemv_row``); more rows are F.linear, as in ``fused_kv``
+  fused_lt  ``fused_small_m`` with ``model.lt_rows``: projections at 17..64 rows under cuBLASLt
+            (``kernels.gemv.rows_linear``) instead of torch's default cuBLAS
   compiled  the yardstick: a decoder of this script's own over the same weights, one layer
             function ``torch.compile``'d (static shapes, one graph per batch size, reused by every
             layer), folded-GQA SDPA over a dense static KV of context + 1 slots per request, the
@@ -177,13 +179,14 @@ def compiled_step(
 # points
 
 
-ARMS = ("unfused", "fused", "fused_kv", "fused_small_m")  # the decoder's own arms, beside "compiled"
+ARMS = ("unfused", "fused", "fused_kv", "fused_small_m", "fused_lt")  # the decoder's own arms, beside "compiled"
 
 
 def set_arm(model: Transformer, arm: str) -> None:
     model.fused = arm != "unfused"
-    model.kv_write = arm in ("fused_kv", "fused_small_m")
-    model.small_m = arm == "fused_small_m"
+    model.kv_write = arm in ("fused_kv", "fused_small_m", "fused_lt")
+    model.small_m = arm in ("fused_small_m", "fused_lt")
+    model.lt_rows = arm == "fused_lt"
 
 
 def check_fused(
@@ -290,7 +293,7 @@ def print_table(result: dict[str, Any]) -> None:
     say(
         f"{'batch':>6} "
         + " ".join(f"{a:>16}" for a in arms)
-        + f" {'fused_kv/fused':>15} {'fused_kv/compiled':>18} {'small_m/fused_kv':>17}"
+        + f" {'fused_kv/fused':>15} {'fused_kv/compiled':>18} {'small_m/fused_kv':>17} {'lt/small_m':>11}"
     )
     for b in result["batches"]:
         cells, ms = [], {}
@@ -304,8 +307,9 @@ def print_table(result: dict[str, Any]) -> None:
         ]
         sm = ms["fused_small_m"]
         ratios.append(f"{sm / ms['fused_kv']:.3f}" if sm and ms["fused_kv"] else "-")
+        ratios.append(f"{ms['fused_lt'] / sm:.3f}" if sm and ms["fused_lt"] else "-")
         say(f"{b:>6} " + " ".join(f"{c:>16}" for c in cells)
-            + f" {ratios[0]:>15} {ratios[1]:>18} {ratios[2]:>17}")
+            + f" {ratios[0]:>15} {ratios[1]:>18} {ratios[2]:>17} {ratios[3]:>11}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,14 +44,12 @@ benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +64,7 @@ from spectune.kernels.fp8 import quantize_rows, quantize_weight, scaled_mm_ok
 from spectune.kernels.gemv import (
     MAX_M,
     GemvConfig,
+    blas_library,
     candidate_configs,
     default_config,
     gemv_row,
@@ -91,20 +90,6 @@ GB = 1e9
 def gemm_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(N, K) of the decoder layer's weights and the lm_head."""
     return {**projection_shapes(args), "lm_head": (args.vocab_size, args.dim)}
-
-
-@contextlib.contextmanager
-def blas_library(name: str | None) -> Iterator[None]:
-    """torch's preferred BLAS library set to ``name`` inside (None: left as it is)."""
-    if name is None:
-        yield
-        return
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def read_bandwidth(timer: Timer, device: torch.device, mib: int) -> dict[str, Any]:

@@ -536,11 +536,19 @@ def train_online(setup: Setup, concurrency: int, requests: list[Request]) -> Non
     setup.engine.run(requests, arm_policy("auto", setup.engine.tiers, setup.planner), concurrency=concurrency)
 
 
-def controller_view(planner: Any, batch: int) -> dict[str, Any]:
-    """The planner's state at ``batch`` after a run: its choice, the live acceptance estimate and
-    each timed shape's steps and measured / model time ratio (``Planner.timed_shapes``)."""
+def controller_counts(planner: Any) -> dict[str, int]:
+    """The controller's running counts: estimate resets (``changes``), probe steps, trial blocks."""
+    return {"changes": planner.changes, "probes": planner.probes, "trials": planner.trials}
+
+
+def controller_view(planner: Any, batch: int, before: dict[str, int] | None = None) -> dict[str, Any]:
+    """The planner's state at ``batch`` after a run: its choice, the live acceptance estimate,
+    each timed shape's steps and measured / model time ratio (``Planner.timed_shapes``), and how
+    many resets, probe steps and trial blocks the run had (``controller_counts`` since ``before``)."""
     choice = planner.choice(batch) if 0 < batch <= planner.max_batch else None
-    return {"choice": None if choice is None else [choice.k, choice.verify_budget, choice.tier],
+    now, before = controller_counts(planner), before or {}
+    return {**{f"run_{k}": v - before.get(k, 0) for k, v in now.items()},
+            "choice": None if choice is None else [choice.k, choice.verify_budget, choice.tier],
             "rates": [round(a, 4) for a in planner.rates],
             "time_ratios": {f"{p.k}/{p.verify_budget}/{p.tier}": [n, round(x, 4)]
                             for p, (n, x) in sorted(planner.timed_shapes(batch).items(),
@@ -574,12 +582,13 @@ def _serve_all(setup: Setup, config: BenchConfig, served: Served, concurrency: S
                     train_online(setup, c, requests)
                 for arm in rotated(served.arms[c], r):
                     bar.set_postfix_str(f"c={c} {arm} #{r}")
+                    counts_before = controller_counts(setup.planner)
                     res, reading = measure(setup, arm, c, requests, power, limit, plain.outputs)
                     pred = predict(setup, served, arm, c, len(requests), prompt_len + max_new // 2, config.seed, res,
                                    config.predict_at_measured_accept and r == 0)
                     row = {**row_for(arm, c, res, reading, plain, pred, tolerance), "repeat": r}
                     if arm == "auto":  # what the controller knows after the run, at the full batch
-                        row["controller"] = controller_view(setup.planner, c)
+                        row["controller"] = controller_view(setup.planner, c, counts_before)
                     rows.append(row)
                     write(rows, False)
                     bar.update(1)

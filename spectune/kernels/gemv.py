@@ -46,9 +46,11 @@ nothing measured), written by ``benchmarks/gemm_check.py --sweep`` as ``gemv_con
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -474,6 +476,36 @@ def small_m_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.stride(-1) == 1
         and 1 <= m <= MAX_M
     )
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """torch's preferred BLAS library (``torch.backends.cuda.preferred_blas_library``) set to
+    ``name`` inside, restored after (None: left as it is). A CUDA graph captured inside keeps the
+    kernels the library chose."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+LT_ROWS = range(17, 65)  # rows at which ``rows_linear`` runs F.linear under cuBLASLt
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``small_m_linear``, with 17..64 rows (``LT_ROWS``) on CUDA through cuBLASLt instead of
+    torch's default cuBLAS: on the H200 at M = 32 qwen3-8b's wo reads in 11.7 vs 13.9 us and w2 in
+    27.8 vs 30.1 us, M = 64 w2 28.6 vs 32.6 us, the other weights within 0.5 % (the gemm_check
+    sweep, docs/BENCHMARKS.md section 8); at 16 rows and below cuBLAS is as fast or faster."""
+    if x.is_cuda and x.numel() // max(x.shape[-1], 1) in LT_ROWS:
+        with blas_library("cublaslt"):
+            return F.linear(x, w)
+    return small_m_linear(x, w)
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from spectune.kernels.fused import (
     silu_mul_ref,
     triton_runs,
 )
-from spectune.kernels.gemv import small_m_linear
+from spectune.kernels.gemv import rows_linear, small_m_linear
 from spectune.models.attention import AttentionBackend
 from spectune.models.config import ModelArgs
 from spectune.models.paged import PagedTritonAttention
@@ -75,6 +75,11 @@ def linear_small_m(x: Tensor, w: Weight) -> Tensor:
     return w(x) if isinstance(w, Fp8Linear) else small_m_linear(x, w)
 
 
+def linear_rows(x: Tensor, w: Weight) -> Tensor:
+    """``linear_small_m``, and 17..64 rows under cuBLASLt (``kernels/gemv.py``: ``rows_linear``)."""
+    return w(x) if isinstance(w, Fp8Linear) else rows_linear(x, w)
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise pieces of a layer: the torch references or the fused Triton kernels.
@@ -97,16 +102,19 @@ FUSED_OPS_SEPARATE_WRITE = LayerOps(rms_norm, add_rms_norm, silu_mul, qk_norm_ro
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype, kv_write: bool = True,
-              small_m: bool = False) -> LayerOps:
+              small_m: bool = False, lt_rows: bool = False) -> LayerOps:
     """The fused kernels where Triton runs (CUDA, or CPU under ``TRITON_INTERPRET=1``) and takes
     the dtype (bf16, fp32), else the references (the same maths, unfused). ``kv_write``: the
     KV-cache write folded into the q/k-norm + RoPE kernel (False: the backend writes, a kernel
-    of its own). ``small_m``: the projections through ``linear_small_m`` (else F.linear)."""
+    of its own). ``small_m``: the projections through ``linear_small_m`` (else F.linear);
+    ``lt_rows`` with it: through ``linear_rows``."""
     if not (triton_runs(device) and dtype in FUSED_DTYPES):
         ops = REFERENCE_OPS
     else:
         ops = FUSED_OPS if kv_write else FUSED_OPS_SEPARATE_WRITE
-    return replace(ops, linear=linear_small_m) if small_m else ops
+    if not small_m:
+        return ops
+    return replace(ops, linear=linear_rows if lt_rows else linear_small_m)
 
 
 def writes_in_kernel(backend: AttentionBackend, dtype: torch.dtype) -> bool:
@@ -200,20 +208,21 @@ class DecoderLayer(nn.Module):
 
 def run_layers(layers: Sequence[DecoderLayer], x: Tensor, rope: tuple[Tensor, Tensor], meta: AttnMeta,
                backend: AttentionBackend, norm: RMSNorm, fused: bool,
-               kv_write: bool = True, small_m: bool = False) -> tuple[Tensor, Tensor]:
+               kv_write: bool = True, small_m: bool = False, lt_rows: bool = False) -> tuple[Tensor, Tensor]:
     """x [T, dim] through ``layers`` -> (residual stream after the last layer, ``norm`` of it).
 
     Unfused: each layer as ``DecoderLayer.forward`` reads, then the norm. Fused: the residual is
     carried beside the normalised input, so each residual add is one kernel with the norm after
     it (the last one with ``norm``), and q/k-norm + RoPE and SiLU x mul are one kernel each, the
     KV-cache write inside the q/k-norm + RoPE kernel where ``kv_write`` and ``writes_in_kernel``
-    allow, and the projections through the one-row kernel where ``small_m``; the references
+    allow, and the projections through the one-row kernel where ``small_m`` (and at 17..64 rows
+    through cuBLASLt where ``lt_rows`` too); the references
     stand in where Triton cannot run (CPU without its interpreter)."""
     if not fused or not layers:
         for i, layer in enumerate(layers):
             x = layer(x, rope, meta, backend, i)
         return x, norm(x)
-    ops = layer_ops(x.device, x.dtype, kv_write, small_m)
+    ops = layer_ops(x.device, x.dtype, kv_write, small_m, lt_rows)
     residual, h = x, ops.rms_norm(x, layers[0].attn_norm.weight, layers[0].attn_norm.eps)
     for i, layer in enumerate(layers):
         a = layer.attn(h, rope, meta, backend, i, ops)
@@ -274,6 +283,10 @@ class Transformer(nn.Module):
         # one-row Triton kernel (kernels/gemv.py) instead of F.linear (H200 qwen3-8b batch 1:
         # 4.665 vs 5.088 ms a step, benchmarks/fused_step.py); more rows stay on F.linear
         self.small_m = True
+        # fused with small_m: the projections at 17..64 rows through cuBLASLt (kernels/gemv.py,
+        # rows_linear) instead of torch's default cuBLAS (H200 qwen3-8b, context 2048: batch 32
+        # 7.259 vs 7.457 ms a step, batch 64 9.503 vs 9.655; batch 16 and 128 within 0.2 %)
+        self.lt_rows = True
         self.embed = _empty(args.vocab_size, args.dim, device=device, dtype=dtype)  # [vocab, dim]
         self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype)
                                     for _ in range(args.n_layers))
@@ -303,7 +316,7 @@ class Transformer(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, dim]
         rope = self.rotary(positions, x.dtype)
         _, hidden = run_layers(cast(Sequence[DecoderLayer], self.layers), x, rope, meta, self.backend, self.norm,
-                               self.fused, self.kv_write, self.small_m)
+                               self.fused, self.kv_write, self.small_m, self.lt_rows)
         w = self.head_weight
         logits = small_m_linear(hidden, w) if self.fused and self.small_m else F.linear(hidden, w)  # [T, vocab]
         return (logits, hidden) if return_hidden else logits

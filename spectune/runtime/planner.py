@@ -64,6 +64,11 @@ probing resumes by itself -- except at K = 0, where no drafts arrive and the est
 K = 1 at its full budget as a probe, every max(1, loss * max(loss, ``BLIND_NEAR``) / (BLIND_NEAR *
 ``BLIND_COST`` * margin)) steps, at most ``BLIND_WAIT`` * probe_every, so K = 0 is a choice like
 any other and is left again. Before any decision, a batch size the table runs at K = 0 probes K = 1.
+As plain decoding stops the evidence, a drafting choice turns plain only on an estimate of at least
+``PLAIN_EVIDENCE`` tested first drafts: after a reset the estimate is the one block that fired the
+test, and at a wave's start that block is its least accepted steps (HumanEval n-gram at c = 64 on
+the H200: a1 0.11 in a wave's first step, 0.34 later; plain chosen on it held 27-35 full-load steps
+a run where K = 1 is 7.7 % faster). And a plain choice gets trials (below) of a close K = 1.
 
 Acceptance that depends on K: the model above takes the rates measured at one K to hold at
 another, and they need not (an n-gram match is a span, and a larger K crosses it in fewer steps,
@@ -76,7 +81,9 @@ its own rates (shrunk toward the pooled ones by ``REGIME_SHRINK`` pseudo-drafts)
 the pooled rates, with a relative error u_K (``_regimes``); every shape of that K scores c_K times
 its pooled tokens. A K with counts of its own is not probed (one step of it inside another K's run
 measures neither). Trials: a shape of another K within ``TRIAL_GAP`` of the choice (point
-estimate) whose own counts are missing, or whose gain is unresolved (it could beat the margin
+estimate; from a drafting choice once the choice has ``REGIME_SHRINK`` drafts of its own counts,
+from a plain one at once: its tokens are the batch, and its K = 1 probes start where plain left the
+requests, so they measure K = 1 low) whose own counts are missing, or whose gain is unresolved (it could beat the margin
 within z * sqrt(u_K^2 + u_choice^2)), runs ``TRIAL_STEPS`` steps in a row, as often as what it
 loses allows (every TRIAL_STEPS * loss / (``TRIAL_COST`` * margin) steps, so trials cost at most
 that fraction of the margin). The decision right after a trial takes the tried K if it scores at
@@ -147,6 +154,7 @@ PHI_WEIGHT = 0.05  # weight of one decision's D^2 in the overdispersion estimate
 MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the change test runs
 PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
 PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
+PLAIN_EVIDENCE = 128.0  # tested first drafts a drafting choice needs before it may turn plain (``_decide``)
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
 BLIND_COST = 0.25  # a plain choice's K = 1 probe costs at most this fraction of the margin (as trials) ...
 BLIND_WAIT = 16  # ... and runs at least every BLIND_WAIT * probe_every steps
@@ -725,6 +733,7 @@ class Planner:
         blind_g = 0.0
         if self.evidence < self.online.min_evidence:
             best_lb = math.inf  # too little evidence to move; probes still run
+        thin = cur.k > 0 and self.evidence < PLAIN_EVIDENCE
         probe: Plan | None = None
         (s_lo, S_lo), (s_mid, S_mid), (s_hi, S_hi) = sums
         top = len(S_mid) - 1
@@ -768,8 +777,9 @@ class Planner:
                 tried_p, tried_g = p, t_mid / ms
             if k == 1 and p.verify_budget == b:
                 blind, blind_g = p, t_mid / ms
-            if t_mid <= need * ms:
+            if t_mid <= need * ms or (not k and thin):
                 continue  # the point estimate's gain is below the margin, so is its lower bound
+                # (or plain, which would stop the evidence, on too little of it: ``PLAIN_EVIDENCE``)
             t_lo = (b + b * S_lo[q] + r * s_lo[q + 1]) * c
             lb = min(t_lo / tok_cur[0], t_hi / tok_cur[2]) * cur_ms / ms
             if lb > best_lb:
@@ -783,11 +793,16 @@ class Planner:
         if best != cur:
             s.choice[b] = best
             s.trial[b] = None
-        elif trial is not None and trials and s.trial[b] is None and n_cur >= REGIME_SHRINK and best_lb != math.inf:
+        elif trial is not None and trials and s.trial[b] is None and (n_cur >= REGIME_SHRINK or not cur.k) \
+                and best_lb != math.inf:
             # a close call of another K without counts of its own (or one whose gain they do not
             # resolve): the pooled rates may not hold at its K, so run it for a block and let its
             # own counts correct its prediction; as often as what it loses (point estimate)
-            # allows, so trials cost at most TRIAL_COST * margin
+            # allows, so trials cost at most TRIAL_COST * margin. Plain decoding needs no counts
+            # of its own (its tokens are the batch): without trials from it, a plain choice saw a
+            # close K = 1 only through single probe steps, which measure a K = 1 run's acceptance
+            # low where acceptance depends on K (MT-Bench n-gram at batch 16: a1 0.08-0.12 from
+            # probes, 0.15 in runs of K = 1; auto stayed plain for ~100 steps where K = 1 is best)
             loss = 1.0 - trial_g * cur_ms / tok_cur[1]
             wait = TRIAL_STEPS * loss / (TRIAL_COST * max(self.online.margin, 1e-3)) if loss > 0.0 else 0.0
             if s.steps - s.trial_at[b] >= wait:
@@ -856,6 +871,11 @@ class Planner:
     @property
     def probes(self) -> int:
         return self._s.probes
+
+    @property
+    def trials(self) -> int:
+        """Trial blocks started (``_decide``: a close call of another K run for a block)."""
+        return self._s.trials
 
     @property
     def clamped(self) -> int:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from spectune.kernels.attention_configs import ConfigTableError
 from spectune.kernels.gemv import (
+    LT_ROWS,
     MAX_M,
     TABLE_ENV,
     GemvConfig,
@@ -24,6 +25,7 @@ from spectune.kernels.gemv import (
     launch_splits,
     row_candidate_configs,
     row_heuristic_config,
+    rows_linear,
     small_m_linear,
     small_m_matmul,
     small_m_matmul_ref,
@@ -147,6 +149,23 @@ def test_small_m_linear_runs_the_one_row_kernel_and_falls_back_to_f_linear():
     for a, b in ((big, w), (fp32, w.float()), (x[:, :0].reshape(0, 256), w)):
         assert not small_m_ok(a, b)
         assert torch.equal(small_m_linear(a, b), F.linear(a, b))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 17, 32, 64, 65])
+def test_rows_linear_is_small_m_linear_off_cuda_and_f_linear_on_its_rows(rows):
+    # cuBLASLt needs CUDA: elsewhere rows_linear is small_m_linear at every row count; on CUDA its
+    # 17..64 rows are F.linear under cuBLASLt (another kernel: close to cuBLAS's, not bit-equal)
+    w = rand(80, 128, seed=rows, dtype=torch.bfloat16).to(DEVICE) / 16
+    x = rand(rows, 128, seed=rows + 1, dtype=torch.bfloat16).to(DEVICE)
+    before = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
+    y = rows_linear(x, w)
+    assert y.shape == (rows, 80)
+    if x.is_cuda and rows in LT_ROWS:
+        torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
+        assert torch.backends.cuda.preferred_blas_library() == before  # restored
+    else:
+        assert torch.equal(y, small_m_linear(x, w))
+    assert 17 in LT_ROWS and 64 in LT_ROWS and 16 not in LT_ROWS and 65 not in LT_ROWS
 
 
 def test_bad_inputs_name_the_field():

@@ -356,6 +356,9 @@ def test_one_row_projections_track_f_linear(dtype, monkeypatch):
 
     assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16).linear is decoder.linear
     assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16, small_m=True).linear is decoder.linear_small_m
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16, small_m=True, lt_rows=True).linear \
+        is decoder.linear_rows
+    assert decoder.layer_ops(torch.device("cuda"), torch.bfloat16, lt_rows=True).linear is decoder.linear
     _, fused = fused_pair(dtype)
     assert fused.small_m is True
     calls = []
