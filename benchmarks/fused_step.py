@@ -55,6 +55,7 @@ from spectune.autotune.hardware import software_facts  # noqa: E402
 from spectune.autotune.timing import Timer, default_timer, free_device_memory  # noqa: E402
 from spectune.io import atomic_write_text  # noqa: E402
 from spectune.kernels.fused import apply_rope  # noqa: E402
+from spectune.kernels.gemv import LT_ROWS  # noqa: E402
 from spectune.models.build import AttentionChoice, StepFn, build_target, target_step  # noqa: E402
 from spectune.models.config import ModelArgs, ModelError, resolve_target  # noqa: E402
 from spectune.models.decoder import Transformer  # noqa: E402
@@ -375,12 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     result["build_s"] = time.perf_counter() - started
     say(f"  built in {result['build_s']:.1f} s")
-    try:
-        result["check"] = check_fused(model, batches[0], args.context_len, args.attention)
-        say(f"  fused arms vs unfused logits at b={batches[0]}: {result['check']}")
-    except Exception as exc:
-        result["check"] = {"error": first_line(exc)}
-        say(f"  check: {result['check']['error']}")
+    # the first batch, and the first in LT_ROWS (fused_lt's cuBLASLt path runs there only)
+    lt = next((b for b in batches if b in LT_ROWS and b != batches[0]), None)
+    for key, b in (("check", batches[0]), ("check_lt_rows", lt)):
+        if b is None:
+            continue
+        try:
+            result[key] = check_fused(model, b, args.context_len, args.attention)
+            say(f"  fused arms vs unfused logits at b={b}: {result[key]}")
+        except Exception as exc:
+            result[key] = {"error": first_line(exc)}
+            say(f"  {key}: {result[key]['error']}")
     free_device_memory()
     timer = default_timer(device)
     layer_fn = None

@@ -299,7 +299,7 @@ def test_targets_tables_stops_a_stage_at_the_deadline(tmp_path, monkeypatch):
 def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     # every arm on the tiny preset over the paged Triton cache (Triton's interpreter): unfused,
     # fused with the separate cache write, fused with the write in the q/k-norm + RoPE kernel,
-    # that with the small-M linear, the yardstick (eager)
+    # that with the small-M linear, that with cuBLASLt at 17..64 rows, the yardstick (eager)
     from spectune.models import paged
 
     mod = load("fused_step")
@@ -317,12 +317,13 @@ def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     assert check["fused_kv_equals_fused"] is True
     small = check["fused_small_m_vs_fused_kv"]  # the small-M kernel sums in another order
     assert small["argmax_agree"] == 1.0 and small["max_abs_diff"] < 0.05 * check["ref_abs_max"]
-    arms = ("unfused", "fused", "fused_kv", "fused_small_m", "compiled")
+    arms = ("unfused", "fused", "fused_kv", "fused_small_m", "fused_lt", "compiled")
     assert {(p["arm"], p["batch"]) for p in res["points"]} == {(a, 2) for a in arms}
     assert all(p["ms"] > 0 and "error" not in p for p in res["points"])
     assert res["attention"] == "triton" and separate_writes  # unfused and fused wrote on their own
     out = capsys.readouterr().out
-    assert "fused_kv/fused" in out and "fused_kv/compiled" in out and "small_m/fused_kv" in out
+    assert "fused_kv/fused" in out and "fused_kv/compiled" in out and "small_m/fused_kv" in out and "lt/small_m" in out
+    assert "check_lt_rows" not in res  # no batch of 17..64 rows asked for
     with pytest.raises(SystemExit, match="--batches"):
         mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
 
