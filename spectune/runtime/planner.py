@@ -116,7 +116,12 @@ also tested, before it enters the estimate, against the estimate's own rates A_i
 CUSUM test, ``Planner._page``): the block's deviations add up, and a sustained shift of a few
 sigma per block fires within a few blocks; the block so far is also tested at every drafting
 step, and a step that carries the sum past the limit ends the block there (a sharp shift is
-acted on within a step or two, not at the block's end: drift at c = 64 on the H200 0.948 -> 0.997). After a change the block that showed it is the new
+acted on within a step or two, not at the block's end: drift at c = 64 on the H200 0.948 -> 0.997).
+Beside the sum, a block of at least ``TRIAL_DRAFTS`` tested first drafts whose own |D_b| passes
+``change_z`` fires the test alone (a Shewhart limit beside the CUSUM: at batch 256 one K = 1 probe
+of a plain choice showed a shift by 6.9 sigma, below the sum's limit of 8.5 for one block, and
+the next probe came ~9 steps later in a full-load window of ~40; drift at c = 256 in simulation
+0.960 -> 0.976 of the best fixed K). After a change the block that showed it is the new
 estimate's first evidence, so the decision made then can already leave the old choice.
 
 Step times: the candidates' step times above are the cost model's; ``observe_time(batch, plan,
@@ -216,6 +221,7 @@ class OnlineState:
     phi: float = 1.0  # overdispersion of the acceptance counts (1 = binomial)
     rise: float = 0.0  # Page's sums of the blocks' deviations from the estimate (``Planner._page``)
     fall: float = 0.0
+    block_d: float = 0.0  # D_b of the last block folded, where it tested >= TRIAL_DRAFTS first drafts
     steps: int = 0  # observed steps
     folded: int = 0  # observed steps already folded into A/T
     since_probe: int = 0
@@ -584,8 +590,11 @@ class Planner:
         (``_regimes``) is tested against that K's counts on its positions: acceptance may depend on
         the K run, and a K that differs from the pooled mix is no shift."""
         d = self._page_d()
+        s = self._s
+        s.block_d = 0.0  # the block's own deviation where it tests enough first drafts (``_changed``)
         if d is not None:
-            s = self._s
+            if s.pt[0] >= TRIAL_DRAFTS:
+                s.block_d = d
             s.rise = max(0.0, s.rise + d - CUSUM_SLACK)
             s.fall = max(0.0, s.fall - d - CUSUM_SLACK)
 
@@ -593,7 +602,8 @@ class Planner:
         """Whether the block so far, ended now, would carry Page's test past its limit."""
         d = self._page_d()
         s = self._s
-        return d is not None and max(s.rise + d, s.fall - d) - CUSUM_SLACK > CUSUM_LIMIT
+        return d is not None and (max(s.rise + d, s.fall - d) - CUSUM_SLACK > CUSUM_LIMIT
+                                  or (s.pt[0] >= TRIAL_DRAFTS and abs(d) > self.online.change_z))
 
     def _page_d(self) -> float | None:
         """The standardized deviation D_b of the block so far (``_page``); None without counts."""
@@ -679,7 +689,7 @@ class Planner:
         (requests differ, and a few requests in the window move the estimate more than binomial
         noise would: at batch 1 the window holds only a handful of them)."""
         s = self._s
-        if max(s.rise, s.fall) > CUSUM_LIMIT:
+        if max(s.rise, s.fall) > CUSUM_LIMIT or abs(s.block_d) > self.online.change_z:
             return True  # Page's test of the blocks (``_page``)
         e = v = 0.0
         for t, a in zip(s.Tf, s.a, strict=True):
@@ -767,6 +777,8 @@ class Planner:
                 # not probed: one step of it inside another K's run measures neither; trials do)
                 probe, probe_g, probe_ms = p, t_hi / ms, ms
             if p is cur:
+                if k == 1 and p.verify_budget == b:  # the blind probe of a choice that turns plain
+                    blind, blind_g = p, tok_cur[1] / cur_ms  # from it (else none for a whole block)
                 continue
             t_mid = (b + b * S_mid[q] + r * s_mid[q + 1]) * c
             if k != cur.k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
@@ -928,7 +940,7 @@ class Planner:
         s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
         s.RA, s.RT, s.Rat = [[] for _ in range(n + 1)], [[] for _ in range(n + 1)], [0] * (n + 1)
         s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
-        s.rise = s.fall = 0.0
+        s.rise = s.fall = s.block_d = 0.0
         s.folded = s.steps
         self._estimate()
 

@@ -11,6 +11,7 @@ from spectune.runtime.planner import (
     PHI_MAX,
     PLAIN_EVIDENCE,
     PROBE_STEP,
+    TRIAL_DRAFTS,
     TRIAL_STEPS,
     Plan,
     Planner,
@@ -709,3 +710,49 @@ def test_a_plain_choice_tries_a_close_k1_and_keeps_it_when_its_runs_accept_more(
     fixed_k1, plain = (b + b * hi) / step[k1], b / step[next(pl for pl in step if pl.k == 0)]
     assert fixed_k1 > 1.02 * plain  # K = 1 in runs is the faster one ...
     assert tokens / ms > 0.98 * fixed_k1  # ... and auto runs it
+
+
+def wide_table(k: int, budget: int, prior: float):
+    """One row of K ``k`` over batch 1..256, tiers up to 320: at batch 160 one step tests more
+    first drafts than a trial block needs, and K = 1 has one budget, the full one."""
+    tiers = [1, 2, 4, 8, 16, 32, 64, 128, 160, 320]
+    return make_table(rows=[Row((1, 256), k, budget)], tiers=tiers, min_k=0, max_k=3, prior=[prior] * 6)
+
+
+def test_a_choice_that_turns_plain_from_k1_keeps_k1_as_its_probe_at_once():
+    """Turning plain from K = 1 at its full budget, the batch size keeps that shape as its blind
+    probe from that decision on (it was left unset for a whole block: the shape was the choice, not
+    a candidate; a drift run at batch 256 then ran 8 more steps of K = 0 on stale evidence)."""
+    b = 160
+    p = Planner(wide_table(1, 256, 0.6))
+    assert p.plan(b).k == 1
+    for _ in range(400):
+        plan = p.plan(b)
+        p.observe(*counters(plan, b, 0.02))
+        if p._s.choice[b].k == 0:
+            break
+    probe = p._s.probe[b]
+    assert p._s.choice[b].k == 0 and p.evidence >= PLAIN_EVIDENCE
+    assert probe is not None and probe.k == 1 and probe.verify_budget == b
+
+
+def test_one_block_far_from_the_estimate_fires_the_change_test_alone():
+    """Page's sum needs a block of CUSUM_LIMIT + slack sigma to fire at once; a block of at least
+    TRIAL_DRAFTS first drafts that sits change_z sigma from the estimate fires it alone (one
+    probe step at batch 256 showed a shift by 6.9 sigma, and a plain choice waited for the next
+    probe, ~9 steps of a ~40-step full-load window). Stationary sampled steps at that batch raise
+    no change."""
+    b, rng = 160, random.Random(5)
+    p = Planner(wide_table(1, 256, 0.5))
+    for _ in range(1500):
+        plan = p.plan(b)
+        p.observe(*noisy_counters(plan, b, 0.5, rng))
+    assert p.changes == 0 and p._s.choice[b].k >= 1
+    while p._s.steps - p._s.folded != 0:  # at a block's start
+        plan = p.plan(b)
+        p.observe(*noisy_counters(plan, b, 0.5, rng))
+    plan = p.plan(b)
+    acc, off = counters(plan, b, 0.75)  # one step, ~7 sigma above the estimate (with phi <= 1.1)
+    assert off[0] >= TRIAL_DRAFTS
+    p.observe(acc, off)
+    assert p.changes == 1
