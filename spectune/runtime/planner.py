@@ -66,7 +66,8 @@ K = 1 at its full budget as a probe, every max(1, loss * max(loss, ``BLIND_NEAR`
 any other and is left again. A batch ``GROWTH`` times the last one holds new requests that the
 estimate has not seen (a closed run's drain teaches it the hardest requests, then a new wave
 arrives): where its choice is plain, its first step runs that K = 1 shape (simulated drift at
-c = 256 0.976 -> 0.991 of fixed:1; one such step costs a plain-best wave ~0.5 %). Before any decision, a batch size the table runs at K = 0 probes K = 1.
+c = 256 0.976 -> 0.991 of fixed:1; one such step costs a plain-best wave ~0.5 %). Before any
+decision, a batch size the table runs at K = 0 probes K = 1.
 As plain decoding stops the evidence, a drafting choice turns plain only on an estimate of at least
 ``PLAIN_EVIDENCE`` tested first drafts: after a reset the estimate is the one block that fired the
 test, and at a wave's start that block is its least accepted steps (HumanEval n-gram at c = 64 on
@@ -124,7 +125,7 @@ Beside the sum, a block of at least ``TRIAL_DRAFTS`` tested first drafts whose o
 ``change_z`` fires the test alone (a Shewhart limit beside the CUSUM: at batch 256 one K = 1 probe
 of a plain choice showed a shift by 6.9 sigma, below the sum's limit of 8.5 for one block, and
 the next probe came ~9 steps later in a full-load window of ~40; drift at c = 256 in simulation
-0.960 -> 0.976 of the best fixed K). After a change the block that showed it is the new
+0.966 -> 0.976 of the best fixed K at full load). After a change the block that showed it is the new
 estimate's first evidence, so the decision made then can already leave the old choice.
 
 Step times: the candidates' step times above are the cost model's; ``observe_time(batch, plan,
@@ -225,7 +226,7 @@ class OnlineState:
     phi: float = 1.0  # overdispersion of the acceptance counts (1 = binomial)
     rise: float = 0.0  # Page's sums of the blocks' deviations from the estimate (``Planner._page``)
     fall: float = 0.0
-    block_d: float = 0.0  # D_b of the last block folded, where it tested >= TRIAL_DRAFTS first drafts
+    block_fires: bool = False  # the last block folded passed the one-block limit (``Planner._block_fires``)
     steps: int = 0  # observed steps
     folded: int = 0  # observed steps already folded into A/T
     since_probe: int = 0
@@ -352,8 +353,7 @@ class Planner:
                 self._cands[b] = self._candidates(b, self._table[b])
                 self._fac[b] = {p: _calibration(f_row, b, p.verify_budget) for p, _ in self._cands[b]}
                 self._model_ms[b] = dict(self._cands[b])
-                blind = Plan(1, b, smallest_tier(self.tiers, 2 * b))
-                self._blind[b] = blind if blind in self._model_ms[b] else None
+                self._blind[b] = next((p for p, _ in self._cands[b] if p.k == 1 and p.verify_budget == b), None)
 
     def _candidates(self, b: int, table_plan: Plan) -> list[tuple[Plan, float]]:
         """Step shapes at batch b that no other shape dominates (same tokens for less time):
@@ -602,10 +602,8 @@ class Planner:
         the K run, and a K that differs from the pooled mix is no shift."""
         d = self._page_d()
         s = self._s
-        s.block_d = 0.0  # the block's own deviation where it tests enough first drafts (``_changed``)
+        s.block_fires = d is not None and self._block_fires(d)  # (``_changed``)
         if d is not None:
-            if s.pt[0] >= TRIAL_DRAFTS:
-                s.block_d = d
             s.rise = max(0.0, s.rise + d - CUSUM_SLACK)
             s.fall = max(0.0, s.fall - d - CUSUM_SLACK)
 
@@ -613,8 +611,12 @@ class Planner:
         """Whether the block so far, ended now, would carry Page's test past its limit."""
         d = self._page_d()
         s = self._s
-        return d is not None and (max(s.rise + d, s.fall - d) - CUSUM_SLACK > CUSUM_LIMIT
-                                  or (s.pt[0] >= TRIAL_DRAFTS and abs(d) > self.online.change_z))
+        return d is not None and (max(s.rise + d, s.fall - d) - CUSUM_SLACK > CUSUM_LIMIT or self._block_fires(d))
+
+    def _block_fires(self, d: float) -> bool:
+        """The one-block limit beside Page's sum: the block so far tests at least ``TRIAL_DRAFTS``
+        first drafts and its own D_b passes ``change_z``."""
+        return self._s.pt[0] >= TRIAL_DRAFTS and abs(d) > self.online.change_z
 
     def _page_d(self) -> float | None:
         """The standardized deviation D_b of the block so far (``_page``); None without counts."""
@@ -700,7 +702,7 @@ class Planner:
         (requests differ, and a few requests in the window move the estimate more than binomial
         noise would: at batch 1 the window holds only a handful of them)."""
         s = self._s
-        if max(s.rise, s.fall) > CUSUM_LIMIT or abs(s.block_d) > self.online.change_z:
+        if max(s.rise, s.fall) > CUSUM_LIMIT or s.block_fires:
             return True  # Page's test of the blocks (``_page``)
         e = v = 0.0
         for t, a in zip(s.Tf, s.a, strict=True):
@@ -750,7 +752,7 @@ class Planner:
         tried_p: Plan | None = None  # the best shape of the K a trial just measured
         tried_g = tok_cur[1] / cur_ms
         best, best_lb = cur, 1.0 + self.online.margin
-        blind: Plan | None = None  # K = 1 at its full budget (a plain choice's probe: every request drafts)
+        blind = self._blind[b]  # K = 1 at its full budget (a plain choice's probe: every request drafts)
         blind_g = 0.0
         if self.evidence < self.online.min_evidence:
             best_lb = math.inf  # too little evidence to move; probes still run
@@ -787,19 +789,17 @@ class Planner:
                 # optimistic: best under the upper bounds (a K measured in a block of its own is
                 # not probed: one step of it inside another K's run measures neither; trials do)
                 probe, probe_g, probe_ms = p, t_hi / ms, ms
-            if p is cur:
-                if k == 1 and p.verify_budget == b:  # the blind probe of a choice that turns plain
-                    blind, blind_g = p, tok_cur[1] / cur_ms  # from it (else none for a whole block)
-                continue
             t_mid = (b + b * S_mid[q] + r * s_mid[q + 1]) * c
+            if p is blind:  # (also where it is the choice: a choice that turns plain from it)
+                blind_g = t_mid / ms
+            if p is cur:
+                continue
             if k != cur.k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
                     1.0 + z * math.sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
                 trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
                 # (by its tokens, or by a time not measured yet: a trial times it too)
             if tried and k == tried and t_mid > tried_g * ms:
                 tried_p, tried_g = p, t_mid / ms
-            if k == 1 and p.verify_budget == b:
-                blind, blind_g = p, t_mid / ms
             if t_mid <= need * ms or (not k and thin):
                 continue  # the point estimate's gain is below the margin, so is its lower bound
                 # (or plain, which would stop the evidence, on too little of it: ``PLAIN_EVIDENCE``)
@@ -951,7 +951,8 @@ class Planner:
         s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
         s.RA, s.RT, s.Rat = [[] for _ in range(n + 1)], [[] for _ in range(n + 1)], [0] * (n + 1)
         s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
-        s.rise = s.fall = s.block_d = 0.0
+        s.rise = s.fall = 0.0
+        s.block_fires = False
         s.folded = s.steps
         self._estimate()
 
