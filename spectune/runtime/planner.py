@@ -63,11 +63,7 @@ probing resumes by itself -- except at K = 0, where no drafts arrive and the est
 (traffic that turned easier would go unseen for good): a batch size whose choice is plain keeps
 K = 1 at its full budget as a probe, every max(1, loss * max(loss, ``BLIND_NEAR``) / (BLIND_NEAR *
 ``BLIND_COST`` * margin)) steps, at most ``BLIND_WAIT`` * probe_every, so K = 0 is a choice like
-any other and is left again. A batch ``GROWTH`` times the last one holds new requests that the
-estimate has not seen (a closed run's drain teaches it the hardest requests, then a new wave
-arrives): where its choice is plain, its first step runs that K = 1 shape (simulated drift at
-c = 256 0.976 -> 0.991 of fixed:1; one such step costs a plain-best wave ~0.5 %). Before any
-decision, a batch size the table runs at K = 0 probes K = 1.
+any other and is left again. Before any decision, a batch size the table runs at K = 0 probes K = 1.
 As plain decoding stops the evidence, a drafting choice turns plain only on an estimate of at least
 ``PLAIN_EVIDENCE`` tested first drafts: after a reset the estimate is the one block that fired the
 test, and at a wave's start that block is its least accepted steps (HumanEval n-gram at c = 64 on
@@ -168,7 +164,6 @@ PROBE_STEP = 2  # a probe runs at most this many drafts more than the current ch
 BLIND_COST = 0.25  # a plain choice's K = 1 probe costs at most this fraction of the margin (as trials) ...
 BLIND_WAIT = 16  # ... and runs at least every BLIND_WAIT * probe_every steps
 BLIND_NEAR = 0.1  # beyond this loss, the probe budget falls as 1 / loss
-GROWTH = 1.25  # a batch this much larger than the last one holds new requests: a plain choice probes at once
 CUSUM_SLACK = 0.5  # Page's test: a block's standardized deviation counts beyond this many sigma
 CUSUM_LIMIT = 8.0  # ... and a change fires once the sum passes this (~10^4 blocks between false alarms)
 REGIME_SETTLE = 2  # steps after K changes whose counters stay out of the new K's own counts
@@ -385,7 +380,6 @@ class Planner:
                 and s.steps - s.decided_at[batch_size] >= self.online.decide_every:
             self._decide(batch_size)  # a batch size reached again (or first) with a stale choice
             # (on the estimate of the last fold: at most decide_every - 1 steps old)
-        grew = s.last_batch is not None and batch_size >= GROWTH * s.last_batch
         s.last_batch = batch_size
         if 0 < batch_size <= self.max_batch:
             plan = s.trial[batch_size]
@@ -393,9 +387,6 @@ class Planner:
                 s.trial_left[batch_size] -= 1
                 if s.trial_left[batch_size] <= 0:  # ended: the next decision judges it
                     s.trial[batch_size], s.tried[batch_size] = None, plan.k
-            elif grew and not s.choice[batch_size].k and (blind := self._blind[batch_size]) is not None:
-                plan = blind  # admissions: a plain choice tests the new requests now, with K = 1
-                s.probes += 1  # at its full budget (every request drafts once)
             else:
                 plan = s.probe[batch_size]
                 if plan is None or not self._probe_due(s.every[batch_size]):

@@ -757,25 +757,3 @@ def test_one_block_far_from_the_estimate_fires_the_change_test_alone():
     p.observe(acc, off)
     assert p.changes == 1
 
-
-def test_a_batch_that_grows_tests_its_new_requests_at_once_where_the_choice_is_plain():
-    """A plain choice measures nothing; its blind probe runs as rarely as its loss allows (every
-    ~20 steps at batch 256). A batch GROWTH times the last one holds new requests, and the
-    estimate is of the old ones (a closed run's drain teaches the hardest requests): its first
-    step runs K = 1 at its full budget, so a new wave of easier traffic is seen at once (simulated
-    drift at c = 256 0.976 -> 0.991 of fixed:1, qwen3-32b 0.980 -> 1.000). A batch that shrinks,
-    or grows less, keeps its cadence."""
-    p = Planner(wide_table(1, 256, 0.6))
-    b = 160
-    serve_steps(p, b, lambda i, plan, prev: 0.02, 300)
-    assert p._s.choice[b].k == 0
-    serve_steps(p, 100, lambda i, plan, prev: 0.02, 20)  # a drain, then a wave
-    probes = p.probes
-    plan = p.plan(b)
-    assert plan == Plan(1, b, 320) and p.probes == probes + 1
-    p.observe(*counters(plan, b, 0.02))
-    assert [q.k for q in serve_steps(p, b, lambda i, plan, prev: 0.02, 3)] == [0, 0, 0]
-    serve_steps(p, 150, lambda i, plan, prev: 0.02, 20)  # 160 after 150: less than GROWTH x
-    assert p._s.every[b] > 1
-    p._s.since_probe = 0  # (no blind probe of the cadence due either)
-    assert p.plan(b).k == 0
