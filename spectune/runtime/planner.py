@@ -467,7 +467,7 @@ class Planner:
         block = self._fold()
         if self._changed():  # forget the old traffic (its deep positions would stay stale) and
             s.changes += 1  # its choices: back to the table until the new traffic is measured
-            self._reset_estimate()
+            self._reset_estimate(estimate=block is None)
             if block is not None:  # the block that showed the change is the new traffic's first
                 s.A, s.T, s.Af, s.Tf = list(block[0]), list(block[1]), list(block[0]), list(block[1])
                 self._estimate()  # evidence: the decision below uses it, not a block later
@@ -937,7 +937,9 @@ class Planner:
         s, n = self._s, self.max_batch + 1
         s.trial, s.trial_left, s.trial_at, s.tried = [None] * n, [0] * n, [-math.inf] * n, [0] * n
 
-    def _reset_estimate(self) -> None:
+    def _reset_estimate(self, *, estimate: bool = True) -> None:
+        """Forget the counts and the change test's sums (``estimate``: and estimate from the prior
+        alone; a caller that sets counts at once estimates from them instead)."""
         s, n = self._s, self.k_hi
         s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
         s.RA, s.RT, s.Rat = [[] for _ in range(n + 1)], [[] for _ in range(n + 1)], [0] * (n + 1)
@@ -945,7 +947,8 @@ class Planner:
         s.rise = s.fall = 0.0
         s.block_fires = False
         s.folded = s.steps
-        self._estimate()
+        if estimate:
+            self._estimate()
 
 
 def _clipped(x: float, m: float, c: float) -> float:
