@@ -34,8 +34,10 @@ SOURCES = {
 DRIFT = ("high", "low")  # the "drift" source: high for the first half of each run's requests, then low
 POLICY = "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml"
 # requests per concurrency (others: 2 waves): at c >= 16 two or three waves, so the batch stays
-# full (rows == concurrency) for at least a wave -- the full-load window, ``full_tok_s``
-PROMPTS = {1: 6, 16: 48, 64: 128, 256: 320}
+# full (rows == concurrency) for at least a wave -- the full-load window, ``full_tok_s``; at c = 1,
+# 24 requests: with 6 (~70 steps a run) which requests a repeat draws moved every arm, and three
+# repeats of 0.9^i gave auto / fixed:9 0.978 [0.911, 1.046] on the H200; 24 gave 0.995 [0.980, 1.011]
+PROMPTS = {1: 24, 16: 48, 64: 128, 256: 320}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
