@@ -467,10 +467,9 @@ class Planner:
         block = self._fold()
         if self._changed():  # forget the old traffic (its deep positions would stay stale) and
             s.changes += 1  # its choices: back to the table until the new traffic is measured
-            self._reset_estimate(estimate=block is None)
-            if block is not None:  # the block that showed the change is the new traffic's first
-                s.A, s.T, s.Af, s.Tf = list(block[0]), list(block[1]), list(block[0]), list(block[1])
-                self._estimate()  # evidence: the decision below uses it, not a block later
+            # the block that showed the change is the new traffic's first evidence: the decision
+            # below uses it, not a block later
+            self._reset_estimate(block)
             s.choice = list(self._table)
             s.probe = list(self._first_probe)
             s.every = [self.online.probe_every] * (self.max_batch + 1)
@@ -937,18 +936,19 @@ class Planner:
         s, n = self._s, self.max_batch + 1
         s.trial, s.trial_left, s.trial_at, s.tried = [None] * n, [0] * n, [-math.inf] * n, [0] * n
 
-    def _reset_estimate(self, *, estimate: bool = True) -> None:
-        """Forget the counts and the change test's sums (``estimate``: and estimate from the prior
-        alone; a caller that sets counts at once estimates from them instead)."""
+    def _reset_estimate(self, block: tuple[list[float], list[float]] | None = None) -> None:
+        """Forget the counts and the change test's sums, and estimate from the prior and ``block``
+        (accepted, tested per position) alone."""
         s, n = self._s, self.k_hi
         s.A, s.T, s.Af, s.Tf, s.pa, s.pt = ([0.0] * n for _ in range(6))
+        if block is not None:
+            s.A, s.T, s.Af, s.Tf = list(block[0]), list(block[1]), list(block[0]), list(block[1])
         s.RA, s.RT, s.Rat = [[] for _ in range(n + 1)], [[] for _ in range(n + 1)], [0] * (n + 1)
         s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
         s.rise = s.fall = 0.0
         s.block_fires = False
         s.folded = s.steps
-        if estimate:
-            self._estimate()
+        self._estimate()
 
 
 def _clipped(x: float, m: float, c: float) -> float:
