@@ -497,6 +497,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "inside the step) instead of separate prefill forwards")
     p.add_argument("--prefill-budget", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
                    help="prompt tokens one step carries with --mixed-prefill (default 256)")
+    p.add_argument("--ride-limit", type=number(int, 1, BENCH_MAX_TOKENS * 1024), default=None,
+                   help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
+                        "still riding, takes separate prefill forwards (default: the prefill budget)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="results JSON path")
     p.set_defaults(func=cmd_bench)
@@ -516,6 +519,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "cache is allocated up front)")
     if args.prefill_budget is not None and not args.mixed_prefill:
         raise UsageError("--prefill-budget: only used with --mixed-prefill")
+    if args.ride_limit is not None and not args.mixed_prefill:
+        raise UsageError("--ride-limit: only used with --mixed-prefill")
     if args.acceptance is not None:  # a bad source fails now, before any model is built
         from spectune.autotune.acceptance import resolve_acceptance
         from spectune.runtime.table import read_table
@@ -528,7 +533,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit, progress=not args.no_progress,
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
         drift=args.drift, repeats=args.repeats, fused=args.fused, mixed_prefill=args.mixed_prefill,
-        prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET,
+        prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET, ride_limit=args.ride_limit,
     )
 
     def num(v, fmt):

@@ -144,6 +144,7 @@ class BenchConfig:
     fused: bool = False  # target and drafter layers with the fused kernels (kernels/fused.py)
     mixed_prefill: bool = False  # admitted prompts ride in the steps' forwards (engine/mixed.py)
     prefill_budget: int = DEFAULT_PREFILL_BUDGET  # prompt tokens per step with mixed_prefill
+    ride_limit: int | None = None  # mixed_prefill: a larger admission takes separate forwards (None: the budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +311,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     engine = Engine(target, tiers=bench_tiers(planner.tiers, concurrency, [*fixed, 0]),
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
                     device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
-                    mixed_prefill=config.mixed_prefill, prefill_budget=config.prefill_budget)
+                    mixed_prefill=config.mixed_prefill, prefill_budget=config.prefill_budget,
+                    ride_limit=config.ride_limit)
     engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
     rng = np.random.default_rng(config.seed)
     prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
@@ -524,6 +526,7 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "decisive_logits": decisive_for(config, setup.dtype), "fused": config.fused,
         "mixed_prefill": config.mixed_prefill,
         "prefill_budget": config.prefill_budget if config.mixed_prefill else None,
+        "ride_limit": (config.ride_limit or config.prefill_budget) if config.mixed_prefill else None,
     }
 
 

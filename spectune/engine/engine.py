@@ -9,10 +9,13 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             prompt token is the first output token. With ``mixed_prefill`` there is no separate
             forward: the prompts' pieces ride in the steps' forwards (``mixed.py``, <=
             ``prefill_budget`` tokens a step) and a row joins the batch after the step that
-            ended its prompt
+            ended its prompt; a burst (more than ``ride_limit`` prompt tokens admitted at once,
+            none filling: a closed run's wave) takes separate forwards, where one large forward
+            is cheaper than pieces on steps that already run at the compute knee
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``; the
             device time of each earlier step whose end mark has landed (``Event.query``, no
-            sync; a step that captured a graph is not reported) -> ``policy.observe_time``
+            sync; a step that captured a graph or carried prompt pieces is not reported) ->
+            ``policy.observe_time``
   plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
             ``rates`` (if any) go to a proposer with ``set_rates``
   draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K)); a
@@ -157,18 +160,22 @@ class Engine:
                  max_len: int, num_blocks: int, device: torch.device | str, block_size: int = 16,
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
                  capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = 512,
-                 prefill_tokens: int = 4096, mixed_prefill: bool = False, prefill_budget: int = 256):
+                 prefill_tokens: int = 4096, mixed_prefill: bool = False, prefill_budget: int = 256,
+                 ride_limit: int | None = None):
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // block_size)
         for name, value, lo in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("prefill_tokens", prefill_tokens, 1),
-                                ("prefill_budget", prefill_budget, 1),
+                                ("prefill_budget", prefill_budget, 1), ("ride_limit", 1 if ride_limit is None else ride_limit, 1),
                                 ("num_blocks", num_blocks, 1 + self.max_blocks)):
             if value < lo:
                 raise EngineError(name, f"must be >= {lo}, got {value}")
         self.target, self.block_size, self.max_len = target, block_size, max_len
         self.max_batch, self.max_k, self.num_blocks = max_batch, max_k, num_blocks
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
+        # mixed prefill: an admission of more prompt tokens than this (nothing else filling) is a
+        # burst, prefilled by separate forwards; smaller ones ride in the steps
+        self.ride_limit = prefill_budget if ride_limit is None else ride_limit
         # the decode graphs also write each token's top-1 minus top-2 logit (engine_run.MarginTap)
         self.tap = MarginTap(target, max(int(t) for t in tiers), self.device)
         self.state = EngineState.make(max_batch, self.max_blocks, self.device)
@@ -215,15 +222,18 @@ class Engine:
     def warm_prefill(self, prompt_lens: Sequence[int], max_group: int) -> None:
         """Capture (CUDA) or run once (elsewhere) the prefill forwards that admitting 1..max_group
         prompts of these lengths at once will use: graphs and kernels specialised on the
-        forward's shapes are built here, not inside a timed run. Nothing with mixed prefill (no
-        separate forward runs; ``prepare`` captures its step graphs)."""
-        if self.mixed is not None:
-            return
+        forward's shapes are built here, not inside a timed run. With mixed prefill only the
+        bursts' forwards (more than ``ride_limit`` prompt tokens at once; ``prepare`` captures the
+        riding step graphs)."""
         groups: dict[int, tuple[int, int]] = {}  # bucket -> one (prompts, length) admission that uses it
         for g in range(1, min(max_group, self.max_batch) + 1):
             for n in set(prompt_lens):
+                if self.mixed is not None and g * n <= self.ride_limit:
+                    continue  # rides in the steps
                 for pieces in schedule([n] * g, self.prefill_chunk, self.prefill_tokens):
                     groups.setdefault(self.prefill.bucket(sum(p.length for p in pieces)), (g, n))
+        if not groups:
+            return
         if self.prefill.capture:
             self.prefill.prepare(sorted(groups))
             return
@@ -313,7 +323,8 @@ class Engine:
             if pieces:
                 self._join(run, pieces, n, it, marks)
             run.decode_spans.append((step_mark, len(iter_marks)))
-            if observe_time is not None and self._captures() == captures_before:  # (a capture is no step cost)
+            # a step that captured a graph, or carried prompt pieces, is not the plan's cost
+            if observe_time is not None and not ride and self._captures() == captures_before:
                 timing.append((step_mark, len(iter_marks), n, plan))
             if n == concurrency:
                 run.full_spans.append(run.decode_spans[-1])
@@ -443,8 +454,8 @@ class Engine:
         s.max_new[lo:hi].copy_(_to_device([r.max_new_tokens for r in reqs], torch.int32, self.device))
         s.request[lo:hi].copy_(_to_device(new, torch.int64, self.device))
         s.produced[lo:hi].fill_(1)
-        if self.mixed is not None:  # the prompts ride in the next steps (``_load_ride``)
-            for rid in new:
+        if self.mixed is not None and (self.filling or sum(len(r.prompt) for r in reqs) <= self.ride_limit):
+            for rid in new:  # the prompts ride in the next steps (``_load_ride``)
                 self.filling.add(rid, admit_mark)
             return
         first, margins = self._prefill(reqs, lo)  # [m] int64, [m, 2] float32

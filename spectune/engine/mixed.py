@@ -9,7 +9,9 @@ frequent; with ``Engine(mixed_prefill=True)`` their prompt pieces join the next 
            budget)``: the step's packed decode/verify tokens (``total`` of them, a device value),
            the pieces back to back right after them, then padding (no KV slot, zero attention)
   meta     query slots of the tier's requests, then one per piece (offsets shifted by ``total``,
-           context = the piece's start, the row's block table, slots from the tables)
+           context = the piece's start, the row's block table, slots from the tables); the two
+           groups are also the meta's ``parts``: attention runs one launch for each, so the
+           step's 1..K+1-token rows are not tiled for a piece's length
   outputs  the tier's logits go to the step's accept phase as before (and to ``MarginTap`` on a
            decode step); where a piece ends its prompt, its last token's argmax (the request's
            first output) and ``top2_margin`` land at the request's engine row
@@ -26,6 +28,7 @@ first needed (``GraphPool.prepare_ride``, counted in ``RunResult.captures``); ea
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -68,11 +71,16 @@ class MixedPrefill:
             return torch.where(decode, tier_rows[tc], torch.where(piece, region_rows[jc], pad))
 
         slots = slot_mapping_for(pm.block_tables, pm.context_lens, pm.cu_seqlens_q, ride, self.block_size)
-        both = AttnMeta(cu_seqlens_q=torch.cat((meta.cu_seqlens_q, pm.cu_seqlens_q[1:] + total)),
+        pieces = AttnMeta(cu_seqlens_q=pm.cu_seqlens_q + total, context_lens=pm.context_lens, max_q=pm.max_q,
+                          block_tables=pm.block_tables)
+        both = AttnMeta(cu_seqlens_q=torch.cat((meta.cu_seqlens_q, pieces.cu_seqlens_q[1:])),
                         context_lens=torch.cat((meta.context_lens, pm.context_lens)),
                         max_q=max(meta.max_q, pm.max_q),
                         block_tables=torch.cat((meta.block_tables, pm.block_tables)),
-                        slot_mapping=merge(meta.slot_mapping, slots, PAD_SLOT))
+                        slot_mapping=merge(meta.slot_mapping, slots, PAD_SLOT),
+                        # two attention launches: the step's rows tiled for 1..K+1 tokens, the
+                        # pieces for theirs (one launch at the pieces' max_q cost ~2 ms a step)
+                        parts=(dataclasses.replace(meta, slot_mapping=None), pieces))
         logits = self.tap.target(merge(input_ids, r.ids[:ride], PAD_TOKEN_ID),
                                  merge(positions, r.pos[:ride], PAD_POSITION), both)  # [T + P, V]
         r.take(ride, logits, offset=total)

@@ -20,7 +20,8 @@ where the causal mask and the range end apply.
 
 ``meta`` is duck-typed (``spectune.kernels.attention_metadata.AttnMeta``): ``cu_seqlens_q [B+1] int32``,
 ``context_lens [B] int32``, ``max_q`` (static int), ``block_tables [B, max_blocks] int32``.
-Rows >= cu_seqlens_q[-1] are padding and come out as zeros.
+Rows >= cu_seqlens_q[-1] are padding and come out as zeros. A meta with ``parts`` (a mixed step's
+decode rows, then its prompt pieces) runs one launch per part, in order, into one output.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def _combine_splits_kernel(
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    if t < tl.load(cu_seqlens_q_ptr + num_requests):
+    # rows of this launch's requests only (a part of a mixed step starts past row 0)
+    if (t >= tl.load(cu_seqlens_q_ptr)) & (t < tl.load(cu_seqlens_q_ptr + num_requests)):
         s = tl.arange(0, BLOCK_S)
         s_ok = s < num_splits
         d = tl.arange(0, BLOCK_D)
@@ -323,6 +325,14 @@ def verify_attention(
     check(num_heads % n_kv_heads == 0, "q", f"{num_heads} heads is not a multiple of {n_kv_heads} kv heads")
     check(q.dtype == k_cache.dtype, "q", f"dtype {q.dtype} != k_cache {k_cache.dtype}")
     check(q.stride(-1) == 1, "q", "head_dim must be contiguous")
+    parts = getattr(meta, "parts", None)
+    if parts:  # a mixed step: one launch per part, in order, into the same output
+        if out is None:
+            out = torch.empty_like(q)
+        for part in parts:
+            verify_attention(q, k_cache, v_cache, part, out=out, num_splits=num_splits, config=config,
+                             sm_scale=sm_scale, causal=causal)
+        return out
     batch, max_q = _check_meta(meta)
     group = num_heads // n_kv_heads
     check(group <= MAX_BLOCK_M, "q", f"{group} query heads per kv head > {MAX_BLOCK_M}")

@@ -4,6 +4,12 @@ The target runs on a packed token axis ``T`` (a captured tier): ``B`` requests w
 ``q_i`` (1 real token + granted drafts) laid out back to back, then padding rows that belong to no
 request. Every tensor here lives on the device and may be rewritten in place between graph replays;
 ``max_q`` is a python int fixed per captured graph.
+
+A mixed step (decode/verify rows and prompt pieces in one forward, ``spectune.engine.mixed``) also
+carries ``parts``: the same rows as consecutive sub-batches, each with its own static ``max_q``.
+The Triton kernel runs one launch per part, so the decode rows are tiled for their 1..K+1 tokens
+and not for the longest prompt piece; the concatenated fields above still describe every row (the
+cache write and the torch references use them).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ class AttnMeta:
     # paged backends: block_tables [B, max_blocks] int32, slot_mapping [T] int64
     block_tables: Tensor | None = None
     slot_mapping: Tensor | None = None
+    # mixed steps: consecutive sub-batches covering the rows above, one kernel launch each
+    parts: tuple[AttnMeta, ...] | None = None
 
     @property
     def batch(self) -> int:

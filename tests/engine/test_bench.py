@@ -106,6 +106,8 @@ def test_k_runs_codes_the_steps_in_order():
     (["--target", "nonsense"], "nonsense"),
     (["--prefill-budget", "64"], "--prefill-budget"),  # without --mixed-prefill
     (["--mixed-prefill", "--prefill-budget", "0"], "--prefill-budget"),
+    (["--ride-limit", "64"], "--ride-limit"),  # without --mixed-prefill
+    (["--mixed-prefill", "--ride-limit", "0"], "--ride-limit"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, argv, needle):
     policy = write_policy(tmp_path / "policy.yaml")

@@ -37,11 +37,15 @@ def plain(rig):
     return rig.engine.run(rig.requests, FixedPolicy(0, rig.engine.tiers), concurrency=3)
 
 
-def mixed_engine(rig, budget: int) -> Engine:
+RIDE_ALL = 1 << 20  # a ride limit no admission passes: every prompt rides
+
+
+def mixed_engine(rig, budget: int, ride_limit: int | None = RIDE_ALL) -> Engine:
     e = rig.engine
     return Engine(rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
                   num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=rig.proposer, kernels=False,
-                  prefill_chunk=CHUNK, prefill_tokens=16, mixed_prefill=True, prefill_budget=budget)
+                  prefill_chunk=CHUNK, prefill_tokens=16, mixed_prefill=True, prefill_budget=budget,
+                  ride_limit=ride_limit)
 
 
 class StepPieces:
@@ -147,11 +151,67 @@ def test_triton_kernels_with_mixed_prefill_give_the_reference_outputs(plain):
                                                  torch.float32, "cpu")
     engine = Engine(kernel_rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
                     num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=kernel_rig.proposer, kernels=True,
-                    prefill_chunk=CHUNK, mixed_prefill=True, prefill_budget=16)
+                    prefill_chunk=CHUNK, mixed_prefill=True, prefill_budget=16, ride_limit=RIDE_ALL)
     load_replay(kernel_rig, plain.outputs)
     for k, concurrency in ((0, 3), (3, 4)):
         res = engine.run(kernel_rig.requests, FixedPolicy(k, engine.tiers), concurrency=concurrency)
         check_run(res, plain, kernel_rig)
+
+
+class Admissions:
+    """Records each admission's prompt tokens and whether it rode (wraps ``Engine._admit``)."""
+
+    def __init__(self, engine: Engine):
+        self.rode: list[tuple[int, bool, int]] = []  # (prompt tokens, rode, requests filling before)
+        inner = engine._admit
+
+        def admit(run, queue, concurrency, it, marks, admit_mark):
+            rows, filling, waiting = len(engine.rows), len(engine.filling), list(queue)
+            inner(run, queue, concurrency, it, marks, admit_mark)
+            new = waiting[: len(waiting) - len(queue)]
+            if new:
+                tokens = sum(len(run.requests[r].prompt) for r in new)
+                rode = len(engine.filling) > filling  # joined the requests filling by pieces
+                assert rode != (len(engine.rows) > rows)  # else prefilled now by separate forwards
+                self.rode.append((tokens, rode, filling))
+
+        engine._admit = admit  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("limit", [8, 12])
+def test_a_burst_takes_separate_forwards_and_smaller_admissions_ride(rig, plain, limit):
+    # the first admission of 4 prompts (5 + 19 + 1 + 8 = 33 tokens, nothing filling) is a burst:
+    # separate prefill forwards; later single admissions of <= limit tokens ride in the steps
+    engine = mixed_engine(rig, 16, ride_limit=limit)
+    spy = Admissions(engine)
+    res = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=4)
+    assert all(res.done) and res.outputs == plain.outputs
+    assert spy.rode[0] == (33, False, 0) and res.prefill_forwards > 0
+    for tokens, rode, filling in spy.rode:
+        assert rode == (filling > 0 or tokens <= limit), (tokens, rode, filling, limit)
+    ridden = sum(t for t, rode, _ in spy.rode if rode)
+    assert ridden > 0 and res.mixed_prefill_tokens == ridden  # every riding prompt token rode once
+    assert [t for t, _, _ in spy.rode] and sum(t for t, _, _ in spy.rode) == sum(PROMPT_LENS)
+
+
+def test_the_default_ride_limit_is_the_budget(rig):
+    assert mixed_engine(rig, 16, ride_limit=None).ride_limit == 16
+    with pytest.raises(EngineError, match="ride_limit"):
+        mixed_engine(rig, 16, ride_limit=0)
+
+
+def test_a_step_that_carried_pieces_is_not_timed_as_the_plan(rig, plain, tmp_path):
+    # the controller's time feedback is the plan's step cost: prompt pieces riding in a step are
+    # not part of it (nor a graph capture); every other step is reported
+    load_replay(rig, plain.outputs)
+    planner = load(write_policy(tmp_path / "policy.yaml"))
+    engine = mixed_engine(rig, 6)
+    spy = StepPieces(engine)
+    res = engine.run(rig.requests, arm_policy("auto", engine.tiers, planner), concurrency=4)
+    riding = sum(1 for s in spy.steps if s) - res.prefill_steps  # live-row steps that carried pieces
+    assert riding > 0
+    # the last one or two spans may still be in flight when the run ends (as without pieces)
+    assert res.steps - riding - 2 <= res.timed_steps <= res.steps - riding
 
 
 def test_filling_keeps_admission_order():
@@ -226,10 +286,18 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
     out = tmp_path / "results.json"
     argv = ["bench", "--policy", str(policy), "--out", str(out), "--concurrency", "2", "--arms", "plain,fixed:2",
             "--repeats", "1", "--prompts", "3", "--max-new-tokens", "6", "--prompt-len", "9", "--device", "cpu",
-            "--no-progress", "--mixed-prefill", "--prefill-budget", "8"]
+            "--no-progress", "--mixed-prefill", "--prefill-budget", "8", "--ride-limit", "1000"]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["header"]["mixed_prefill"] is True and data["header"]["prefill_budget"] == 8
+    assert data["header"]["ride_limit"] == 1000
     for row in data["rows"]:
         assert row["completed"] == 3 and row["mismatches"] == 0
         assert row["prefill_forwards"] == 0 and row["mixed_prefill_tokens"] == 3 * 9
+    # the default ride limit is the budget: a 9-token prompt is a burst of its own, prefilled apart
+    assert main(argv[:-2]) == 0
+    data = json.loads(out.read_text())
+    assert data["header"]["ride_limit"] == 8
+    for row in data["rows"]:
+        assert row["completed"] == 3 and row["mismatches"] == 0
+        assert row["prefill_forwards"] > 0 and row["mixed_prefill_tokens"] == 0

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -294,3 +295,33 @@ def test_compiled_configs_match_reference(config):
     verify_attention(q, k_cache, v_cache, meta, out=out, config=config)
     assert max_rel_err(out[:42], ref[:42]) < 1e-2
     assert (out[42:] == 0).all()
+
+
+def _part(meta: AttnMeta, lo: int, hi: int, max_q: int) -> AttnMeta:
+    """Requests lo..hi-1 of ``meta`` as one launch's sub-batch (offsets kept: rows stay in place)."""
+    return AttnMeta(cu_seqlens_q=meta.cu_seqlens_q[lo : hi + 1], context_lens=meta.context_lens[lo:hi],
+                    max_q=max_q, block_tables=meta.block_tables[lo:hi])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_parts_run_one_launch_each_and_match_the_reference(seed, num_splits):
+    """A mixed step's meta: decode/verify rows (1..4 tokens) then prompt pieces (up to 40 tokens),
+    padding after; each part is tiled for its own max_q and the rows come out as one launch's."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    decode = [int(x) for x in torch.randint(1, 5, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)]
+    pieces = [int(x) for x in torch.randint(9, 41, (int(torch.randint(1, 3, (1,), generator=gen)),), generator=gen)]
+    ctx = [int(x) for x in torch.randint(0, 60, (len(decode) + len(pieces),), generator=gen)]
+    q, k_cache, v_cache, meta = make_case(decode + pieces, ctx, n_heads=8, n_kv_heads=2, head_dim=64, pad=5,
+                                          seed=seed)
+    n = len(decode)
+    meta.parts = (_part(meta, 0, n, max(decode)), _part(meta, n, len(ctx), max(pieces)))
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = torch.full_like(q, POISON)
+    verify_attention(q, k_cache, v_cache, meta, out=out, num_splits=num_splits)
+    whole = dataclasses.replace(meta, parts=None)
+    one = verify_attention(q, k_cache, v_cache, whole, num_splits=num_splits)
+    real = sum(decode) + sum(pieces)
+    assert rel_err(out[:real], ref[:real]) < TOL[torch.float32]
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))  # padding rows zero, not poison
+    assert rel_err(out, one) < TOL[torch.float32]
