@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from probe_common import first_line, int_list, say
-
 from spectune.engine.bench import BenchConfig, run_bench
 from spectune.io import atomic_write_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import first_line, int_list, say  # noqa: E402  (the probes' shared helpers)
 
 POLICY = "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"
 FIELDS = ("output_tok_s", "decode_tok_s", "ttft_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "steps",
@@ -43,10 +44,11 @@ def parse_mode(text: str) -> tuple[str, int | None, int | None]:
     N prompt tokens separate (the engine's default); mixed:N:all -> every prompt rides."""
     if text == "separate":
         return text, None, None
-    name, budget, *rest = text.split(":")
-    if name != "mixed" or not budget.isdigit() or int(budget) < 1 or rest not in ([], ["all"]):
+    parts = text.split(":")
+    if not (parts[0] == "mixed" and len(parts) in (2, 3) and parts[1].isdigit() and int(parts[1]) >= 1
+            and parts[2:] in ([], ["all"])):
         raise SystemExit(f"--modes: {text!r} is not separate, mixed:N or mixed:N:all (N >= 1 prompt tokens a step)")
-    return text, int(budget), RIDE_ALL if rest else None
+    return text, int(parts[1]), RIDE_ALL if parts[2:] == ["all"] else None
 
 
 def mean_rows(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, float]]:

@@ -482,3 +482,35 @@ def test_sim_tables_plays_another_profiles_step_times(tmp_path, capsys):
     assert sim.main([*argv, "--served-cost", str(tmp_path / "other.yaml"), "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "workload.target" in err[0] and not (tmp_path / "x.json").exists()
+
+
+def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
+    mod = load("mixed_prefill")
+    policy = Path(__file__).resolve().parent.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"
+    assert mod.main(["--out-dir", str(tmp_path), "--policy", str(policy), "--device", "cpu", "--no-fused",
+                     "--modes", "separate,mixed:8,mixed:8:all", "--concurrency", "2", "--repeats", "1",
+                     "--prompt-len", "6", "--max-new-tokens", "4"]) == 0
+    table = json.loads((tmp_path / "mixed_prefill.json").read_text())
+    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:all"}
+    for mode, cells in table["modes"].items():
+        for arm in ("plain", "auto"):
+            cell = cells[f"2/{arm}"]
+            assert cell["repeats"] == 1 and cell["hard_mismatches"] == 0 and cell["output_tok_s"] > 0
+            assert cell["e2e_over_separate_decode"] > 0
+        bench = json.loads((tmp_path / f"bench_{mode.replace(':', '_')}.json").read_text())
+        rows = bench["rows"]
+        if mode == "separate":
+            assert all(r["mixed_prefill_tokens"] == 0 and r["prefill_forwards"] > 0 for r in rows)
+        elif mode == "mixed:8":  # two 6-token prompts admitted at once pass the ride limit of 8: apart
+            assert bench["header"]["ride_limit"] == 8 and all(r["prefill_forwards"] > 0 for r in rows)
+        else:  # every prompt rides
+            assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
+    assert "e2e/sep.decode" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["mixed", "mixed:0", "mixed:8:some", "mixed:8:", "fused"])
+def test_mixed_prefill_refuses_a_bad_mode(tmp_path, mode):
+    mod = load("mixed_prefill")
+    with pytest.raises(SystemExit, match="--modes"):
+        mod.main(["--out-dir", str(tmp_path), "--modes", mode, "--device", "cpu"])
+    assert not (tmp_path / "mixed_prefill.json").exists()
