@@ -78,8 +78,8 @@ class MixedPrefill:
                         max_q=max(meta.max_q, pm.max_q),
                         block_tables=torch.cat((meta.block_tables, pm.block_tables)),
                         slot_mapping=merge(meta.slot_mapping, slots, PAD_SLOT),
-                        # two attention launches: the step's rows tiled for 1..K+1 tokens, the
-                        # pieces for theirs (one launch at the pieces' max_q cost ~2 ms a step)
+                        # two attention launches: the step's rows tiled for their 1..K+1 tokens,
+                        # the pieces for theirs (one launch tiles every row for the longest piece)
                         parts=(dataclasses.replace(meta, slot_mapping=None), pieces))
         logits = self.tap.target(merge(input_ids, r.ids[:ride], PAD_TOKEN_ID),
                                  merge(positions, r.pos[:ride], PAD_POSITION), both)  # [T + P, V]
