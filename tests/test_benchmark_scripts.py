@@ -514,3 +514,14 @@ def test_mixed_prefill_refuses_a_bad_mode(tmp_path, mode):
     with pytest.raises(SystemExit, match="--modes"):
         mod.main(["--out-dir", str(tmp_path), "--modes", mode, "--device", "cpu"])
     assert not (tmp_path / "mixed_prefill.json").exists()
+
+
+def test_attention_parts_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mod = load("attention_parts")
+    assert mod.main(["--out-dir", str(tmp_path), "--device", "cpu", "--batches", "2,3", "--pieces", "24",
+                     "--context", "40"]) == 0
+    res = json.loads((tmp_path / "attention_parts.json").read_text())
+    assert [(r["batch"], r["piece"]) for r in res["rows"]] == [(2, 24), (3, 24)]
+    assert all(r["max_abs_diff"] < 1e-4 for r in res["rows"])  # two launches give one launch's rows
+    assert "two / one" in capsys.readouterr().out
