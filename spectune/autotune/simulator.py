@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -49,6 +49,7 @@ from spectune.runtime.request_history import expected_accepts, request_confidenc
 
 SimAllocation = Literal["history", "oracle", "uniform"]  # Monte-Carlo (module doc)
 Workload = Literal["open", "closed"]
+PrefillFn = Callable[[int], float]  # ms of admitting n requests at once by separate prefill forwards
 Lengths = Literal["geometric", "fixed"]
 
 
@@ -93,6 +94,16 @@ class SimResult:
     tier_hist: dict[int, int] = field(default_factory=dict)
     full_tokens: int = 0  # tokens and seconds of the steps that ran at the full concurrency
     full_seconds: float = 0.0  # (serving under load: a closed run without its ramp and drain)
+    admitted: int = 0  # requests admitted (each one's first token comes from its prefill)
+    prefill_seconds: float = 0.0  # separate prefill forwards (``simulate(prefill=...)``), else 0
+
+    @property
+    def output_tok_s(self) -> float | None:
+        """End to end: every output token (the prefills' first ones too) over decode and prefill
+        time; None without a prefill model."""
+        if not self.prefill_seconds:
+            return None
+        return (self.tokens + self.admitted) / (self.seconds + self.prefill_seconds)
 
 
 def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -215,6 +226,8 @@ class _Tally:
     slot_steps: int = 0
     full_tokens: int = 0  # steps at the full concurrency
     full_ms: float = 0.0
+    admitted: int = 0
+    prefill_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -232,6 +245,7 @@ class _Run:
     mean_output_tokens: float
     lengths: Lengths
     prior: np.ndarray  # [max_k] rates used when the policy has no live estimate
+    prefill: PrefillFn | None = None  # ms of admitting n requests at once (separate forwards)
 
 
 def _new_requests(run: _Run, ids: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -341,6 +355,14 @@ def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, s
     return next_req + n_new
 
 
+def _admit(run: _Run, tally: _Tally, n: int) -> None:
+    """n requests admitted at once: their first tokens, and their prefill's time if modelled."""
+    if n > 0:
+        tally.admitted += n
+        if run.prefill is not None:
+            tally.prefill_ms += run.prefill(n)
+
+
 def _result(run: _Run, tally: _Tally) -> SimResult:
     all_lat, all_w = np.concatenate(tally.lat), np.concatenate(tally.wts).astype(float)
     has_power = run.cost.power_w(1) is not None
@@ -358,6 +380,8 @@ def _result(run: _Run, tally: _Tally) -> SimResult:
         tier_hist=dict(sorted(tally.tier_hist.items())),
         full_tokens=tally.full_tokens,
         full_seconds=tally.full_ms / 1000.0,
+        admitted=tally.admitted,
+        prefill_seconds=tally.prefill_ms / 1000.0,
     )
 
 
@@ -366,7 +390,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
              seed: int = 0, allocation: SimAllocation = "history", accept_scale: float = 1.0,
              mean_output_tokens: float = 256.0, workload: Workload = "open",
              lengths: Lengths = "geometric", drift: AcceptanceModel | None = None,
-             prior: Sequence[float] | None = None) -> SimResult:
+             prior: Sequence[float] | None = None, prefill: PrefillFn | None = None) -> SimResult:
     """Run ``concurrency`` live requests for ``steps`` steps (or until ``requests`` finished).
 
     ``workload``: "open" keeps the batch full (a finished request is replaced at once, a server
@@ -389,6 +413,11 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     (if any) each step's (batch, plan, ms) one step late. ``cost`` is the served GPU's: a planner
     built on another table's cost model (``spectune simulate --served-cost``) sees what its model
     does not know through those times.
+
+    ``prefill(n)``: the ms of admitting n requests at once by separate prefill forwards (the
+    engine's schedule; ``spectune.engine.bench.prefill_cost``), charged at the start and at every
+    refill, apart from the decode steps: ``SimResult.prefill_seconds`` and ``output_tok_s``. The
+    decode figures do not include it.
     """
     if concurrency < 1:
         raise SpectuneError(f"concurrency must be >= 1, got {concurrency}")
@@ -402,7 +431,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     traffic = _Traffic.of(acceptance, drift, accept_scale)
     base = traffic.prior if prior is None else np.asarray(extend_conditional(tuple(prior), traffic.max_k), float)
     run = _Run(cost, traffic, policy_fn, seed, allocation, closed, requests, steps, mean_output_tokens, lengths,
-               np.clip(base[: traffic.max_k], 0.0, 1.0))
+               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill)
     return _serve(run, concurrency)
 
 
@@ -413,6 +442,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
     """The step loop: observe -> plan -> allocate -> verify -> account -> retire and refill."""
     batch, tally = _start_batch(run, concurrency), _Tally()
     next_req, pending = len(batch.req), None
+    _admit(run, tally, next_req)
     observe = getattr(run.policy, "observe", None)
     observe_time = getattr(run.policy, "observe_time", None)
     timed: tuple[int, Plan, float] | None = None
@@ -433,7 +463,9 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             granted = _allocate(run, batch, k, min(plan.verify_budget, b * k), rates)
             accepted, pending = _verify(run, batch, k, granted, rates)
         timed = (b, plan, _account(run, tally, batch, plan, k, accepted, b == concurrency))
-        next_req = _retire_and_refill(run, tally, batch, next_req, step + 1)
+        refilled = _retire_and_refill(run, tally, batch, next_req, step + 1)
+        _admit(run, tally, refilled - next_req)
+        next_req = refilled
         if len(batch.req) == 0 or (run.requests is not None and tally.done >= run.requests):
             break
     return _result(run, tally)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spectune.autotune.acceptance import AcceptanceModel, load_acceptance
-from spectune.autotune.simulator import FixedK, PolicyFn, simulate
+from spectune.autotune.simulator import FixedK, PolicyFn, PrefillFn, simulate
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier
@@ -130,22 +130,25 @@ class Predicted:
     itl_p99_ms: float | None
     k_hist: dict[int, int] = field(default_factory=dict)  # steps per K over all seeds
     full_tok_s: float | None = None  # the steps at the full concurrency only (the bench's full_tok_s)
+    output_tok_s: float | None = None  # end to end, prefill included (with a ``prefill`` model)
 
 
 def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], PolicyFn], *,
                 concurrency: int, requests: int, decode_tokens: int, context_len: int, seeds: Sequence[int],
                 drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
-                accept_scale: float = 1.0) -> Predicted:
-    """A closed run of ``requests`` requests of ``decode_tokens`` tokens per seed (module doc)."""
+                accept_scale: float = 1.0, prefill: PrefillFn | None = None) -> Predicted:
+    """A closed run of ``requests`` requests of ``decode_tokens`` tokens per seed (module doc);
+    with ``prefill`` (``simulate``'s) also the end-to-end rate."""
     tokens, seconds, slots, p50, p99 = 0, 0.0, 0, [], []
-    full_tokens, full_seconds = 0, 0.0
+    full_tokens, full_seconds, outputs, all_seconds = 0, 0.0, 0, 0.0
     k_hist: dict[int, int] = {}
     for s in seeds:
         sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
                        steps=1_000_000, requests=requests, seed=s, accept_scale=accept_scale,
                        mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed",
-                       drift=drift, prior=prior)
+                       drift=drift, prior=prior, prefill=prefill)
         slots += round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
+        outputs, all_seconds = outputs + sim.tokens + sim.admitted, all_seconds + sim.seconds + sim.prefill_seconds
         tokens, seconds = tokens + sim.tokens, seconds + sim.seconds
         full_tokens, full_seconds = full_tokens + sim.full_tokens, full_seconds + sim.full_seconds
         p50.append(sim.itl_p50_ms)
@@ -155,7 +158,8 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
     rate = tokens / seconds if seconds > 0 else math.inf
     return Predicted(rate if math.isfinite(rate) else None, tokens / max(1, slots),
                      sum(p50) / len(p50) if p50 else None, sum(p99) / len(p99) if p99 else None,
-                     dict(sorted(k_hist.items())), full_tokens / full_seconds if full_seconds > 0 else None)
+                     dict(sorted(k_hist.items())), full_tokens / full_seconds if full_seconds > 0 else None,
+                     outputs / all_seconds if prefill is not None and all_seconds > 0 else None)
 
 
 def best_fixed_k(cost: CostModel, acceptance: AcceptanceModel, max_k: int, *, tiers: Sequence[int] | None = None,

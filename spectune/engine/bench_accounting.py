@@ -92,6 +92,7 @@ class Prediction:
     decode_tok_s: float | None  # simulator, the bench's acceptance model
     at_measured_accept: float | None  # simulator, acceptance rescaled to the measured clean length
     at_measured_steps: float | None  # cost model over the steps that ran (their batch, K, tier)
+    output_tok_s: float | None = None  # simulator, end to end with separate prefill forwards (``prefill``)
 
 
 def ratio_minus_one(a: float | None, b: float | None) -> float | None:
@@ -117,7 +118,7 @@ SIM_REQUESTS = 128  # simulated requests per prediction at least: the bench's wo
 def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], Any], res: RunResult, *,
                    speculative: bool, concurrency: int, requests: int, decode_tokens: int, context_len: int,
                    seed: int, drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
-                   at_measured_accept: bool = True) -> Prediction:
+                   at_measured_accept: bool = True, prefill: Callable[[int], float] | None = None) -> Prediction:
     """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
 
     The simulator plays the bench's workload through ``whatif.predict_arm`` (the code path of
@@ -128,16 +129,19 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     ``make_policy()`` gives a fresh policy (online state reset). With the acceptance rescaled the
     error left is the cost model's and what the simulator leaves out (ride-along rows, the order
     of admissions); over the measured steps it is the cost model's alone.
-    ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations)."""
+    ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations).
+    ``prefill(n)`` (``bench.prefill_cost``: the ms of admitting n requests by separate prefill
+    forwards) adds the end-to-end prediction."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
-    def run(scale: float) -> Predicted:
+    def run(scale: float, with_prefill: bool = False) -> Predicted:
         return predict_arm(cost, acceptance, make_policy, concurrency=concurrency, requests=requests,
                            decode_tokens=decode_tokens, context_len=context_len, seeds=range(seed, seed + reps),
-                           drift=drift, prior=prior, accept_scale=scale)
+                           drift=drift, prior=prior, accept_scale=scale, prefill=prefill if with_prefill else None)
 
     try:
-        base = run(1.0).goodput_tok_s
+        first = run(1.0, True)
+        base, output = first.goodput_tok_s, first.output_tok_s
         at_accept = None if speculative else base
         measured = res.mean_accept_len_clean if speculative and at_measured_accept else None
         if measured is not None:
@@ -150,7 +154,7 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     timed = dataclasses.replace(cost, context_len=context_len)
     ms = sum(step_ms(timed, b, k, tier) for b, k, tier in res.step_shapes)
     at_steps = res.decode_tokens / ms * 1e3 if ms > 0 and res.decode_tokens else None
-    return Prediction(base, at_accept, at_steps)
+    return Prediction(base, at_accept, at_steps, output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +274,9 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: Run
         "predicted_tok_s_at_measured_steps": predicted.at_measured_steps,
         "prediction_error": ratio_minus_one(res.decode_tok_s, predicted.decode_tok_s),
         "prediction_error_at_measured_accept": ratio_minus_one(res.decode_tok_s, predicted.at_measured_accept),
+        "predicted_output_tok_s": predicted.output_tok_s,
+        "output_prediction_error": ratio_minus_one(res.tokens / res.seconds if res.seconds > 0 else None,
+                                                   predicted.output_tok_s),
         "itl_ms": sample,
         "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
         "steps": res.steps,

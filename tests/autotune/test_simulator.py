@@ -235,3 +235,28 @@ def test_k0_steps_are_observed_so_the_controller_can_leave_k0():
     assert len(pol.observed) == 39  # every step but the last, K = 0 steps included
     assert sum(sum(t) for _, t in pol.observed[1::2]) == 0  # after a K = 0 step: nothing tested
     assert all(sum(t) > 0 for _, t in pol.observed[0::2])
+
+
+def test_prefill_is_charged_at_every_admission_apart_from_the_decode_steps():
+    acc = curve(0.8, 0.6, 0.45)
+    kw = dict(concurrency=4, steps=100_000, requests=10, mean_output_tokens=12.0, seed=2,
+              workload="closed", lengths="fixed")
+    calls: list[int] = []
+
+    def prefill(n: int) -> float:
+        calls.append(n)
+        return 3.0 + 2.0 * n
+
+    for k in (0, 2):
+        calls.clear()
+        base = simulate(constant_cost(), acc, FixedK(k), **kw)
+        res = simulate(constant_cost(), acc, FixedK(k), prefill=prefill, **kw)
+        assert sum(calls) == res.admitted == 10 and calls[0] == 4  # the first wave, then each refill
+        if k == 0:
+            assert calls == [4, 4, 2]  # plain decoding: requests of one wave finish together
+        assert res.prefill_seconds == pytest.approx(sum(3.0 + 2.0 * n for n in calls) / 1000.0)
+        # the decode figures are the same run's
+        assert (res.goodput_tok_s, res.tokens, res.seconds, res.steps) == (base.goodput_tok_s, base.tokens,
+                                                                           base.seconds, base.steps)
+        assert res.output_tok_s == pytest.approx((res.tokens + 10) / (res.seconds + res.prefill_seconds))
+        assert base.output_tok_s is None and base.admitted == 10

@@ -72,6 +72,9 @@ def test_bench_header_and_extra_fields(results):
     for row in data["rows"]:
         assert row["predicted_tok_s_at_measured_steps"] > 0
         assert row["prediction_error"] == pytest.approx(row["decode_tok_s"] / row["predicted_tok_s"] - 1)
+        # end to end: the separate prefill forwards' time on top of the decode steps'
+        assert 0 < row["predicted_output_tok_s"] < row["predicted_tok_s"] * 8 / 7
+        assert row["output_prediction_error"] == pytest.approx(row["output_tok_s"] / row["predicted_output_tok_s"] - 1)
         # K over time, run-length coded: the same steps as k_hist, no two neighbours equal
         runs = row["k_runs"]
         assert sum(n for _, n in runs) == row["steps"] and all(a[0] != b[0] for a, b in zip(runs, runs[1:], strict=False))
@@ -245,3 +248,44 @@ def test_float32_gate_on_cuda(tmp_path):
     data = json.loads(out.read_text())
     assert data["header"]["tf32"] is False
     assert all(r["hard_mismatches"] == 0 and r["decode_tok_s"] > 0 for r in data["rows"])
+
+
+def test_prefill_cost_follows_the_engines_schedule_and_buckets():
+    from spectune.engine.bench import prefill_cost
+    from spectune.engine.prefill import default_buckets
+    from spectune.runtime.costs import CostModel
+    from spectune.runtime.table import CostModelParams, DrafterCost, OverheadCost, TargetCost
+
+    cost = CostModel(CostModelParams(TargetCost(5.0, 0.01, 100.0, 0.02, 30.0), DrafterCost(0.0, 0.0, 0.0),
+                                     OverheadCost(0.5, 0.01)), "autoregressive", 2048)
+    buckets = default_buckets(512, 4096)
+
+    def bucket(n: int) -> int:
+        return next(b for b in buckets if b >= n)
+
+    ms = prefill_cost(cost, 600, 512, 4096, bucket)
+    # one 600-token prompt: a 512-token piece, then the last 88 tokens (bucket 128) after them
+    assert ms(1) == pytest.approx(cost.target_ms(512, 1, 256) + cost.target_ms(128, 1, 512 + 44))
+    # eight: pieces of 512 (4096 a forward: 8 pieces), then eight 88-token tails in one forward (704 -> 768)
+    assert ms(8) == pytest.approx(cost.target_ms(4096, 8, 256) + cost.target_ms(768, 8, 512 + 44))
+    assert ms(8) < 8 * ms(1)  # one weight read serves a whole admission
+
+
+def test_predict_e2e_beside_the_h200_runs():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("predict_e2e", root / "benchmarks" / "predict_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = root / "benchmarks" / "results" / "engine_speed_h200_v14"
+    rows = [r for d in ("bursts_apart_p64", "bursts_apart_p256", "every_prompt_rides_p256")
+            for f in ("bench_separate.json", "bench_mixed_256.json", "bench_mixed256.json")
+            if (res / d / f).exists() for r in mod.predict_file(res / d / f, root)]
+    assert {(r["prompt_len"], r["concurrency"], r["arm"]) for r in rows} == {
+        (64, 32, "plain"), (64, 32, "auto"), (64, 64, "plain"), (64, 64, "auto"),
+        (256, 64, "plain"), (256, 64, "auto"), (256, 32, "plain"), (256, 32, "auto")}  # separate runs only
+    for r in rows:
+        assert r["predicted_output_tok_s"] < r["predicted_decode_tok_s"]
+        assert abs(r["output_error"]) < 0.15  # measured on the H200 vs the profile's cost model

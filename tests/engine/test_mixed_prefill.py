@@ -294,6 +294,7 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
     for row in data["rows"]:
         assert row["completed"] == 3 and row["mismatches"] == 0
         assert row["prefill_forwards"] == 0 and row["mixed_prefill_tokens"] == 3 * 9
+        assert row["predicted_output_tok_s"] is None  # riding prompts are not in the simulator yet
     # the default ride limit is the budget: a 9-token prompt is a burst of its own, prefilled apart
     assert main(argv[:-2]) == 0
     data = json.loads(out.read_text())
