@@ -6,7 +6,7 @@ bench runs, on CPU: the cost model's prefill checked against GPU results it was 
 For every (concurrency, arm) of each results JSON that ran separate prefill forwards (the bench
 without ``--mixed-prefill``), the bench's own prediction is recomputed from its header (policy,
 served acceptance, prompt length, new tokens; requests per concurrency from the rows) with
-``prefill_cost``: the engine's prefill schedule (pieces of <= 512 tokens, <= 4096 a forward, padded
+``runtime.prefill_plan.prefill_ms``: the engine's prefill schedule (pieces of <= 512 tokens, <= 4096 a forward, padded
 to the graph buckets) at the profile's target step time. Prints measured and predicted end-to-end
 and decode tok/s, and their errors (measured / predicted - 1), mean over the repeats.
 """
@@ -22,20 +22,11 @@ from typing import Any
 
 from spectune.autotune.acceptance import resolve_acceptance
 from spectune.autotune.whatif import tuned_prior
-from spectune.engine.bench import FixedPolicy, bench_tiers, parse_arm, prefill_cost, widen
+from spectune.engine.bench import FixedPolicy, bench_tiers, parse_arm, widen
 from spectune.engine.bench_accounting import SIM_REQUESTS
-from spectune.engine.prefill import default_buckets
 from spectune.io import atomic_write_text
 from spectune.runtime.planner import Planner, load
-
-CHUNK, MAX_TOKENS = 512, 4096  # the bench engine's prefill_chunk / prefill_tokens
-
-
-def bucket_of(buckets: list[int]):
-    def bucket(tokens: int) -> int:
-        return next(b for b in buckets if b >= tokens)
-
-    return bucket
+from spectune.runtime.prefill_plan import prefill_ms
 
 
 def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
@@ -53,7 +44,7 @@ def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
     source = h["acceptance"].split(" (")[0]
     model = widen(resolve_acceptance(source, max_k), max_k)
     prompt_len, max_new = h["prompt_len"], h["max_new_tokens"]
-    prefill = prefill_cost(planner.cost, prompt_len, CHUNK, MAX_TOKENS, bucket_of(default_buckets(CHUNK, MAX_TOKENS)))
+    prefill = prefill_ms(planner.cost, prompt_len)  # the bench engine's chunk and forward size
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in data["rows"]:
         groups.setdefault((r["concurrency"], r["arm"]), []).append(r)

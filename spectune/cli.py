@@ -602,6 +602,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="seeds per (concurrency, arm), pooled (default 3)")
     p.add_argument("--decode-tokens", type=int, default=None,
                    help="new tokens per request (default 127; `spectune bench`'s --max-new-tokens minus 1)")
+    p.add_argument("--prompt-len", type=number(int, 1, 1 << 20), default=None,
+                   help="prompt tokens per request: adds end-to-end tok/s, each admission's separate "
+                        "prefill forwards at the table's step time (as `spectune bench` prefills)")
     p.add_argument("--shared-planner", action="store_true",
                    help="auto: one planner, trained by a first untimed run, serves every seed (what "
                         "`spectune bench` does with --repeats) instead of a fresh planner per run")
@@ -649,6 +652,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         what = dataclasses.replace(what, decode_tokens=args.decode_tokens)
     if args.requests is not None:
         what = dataclasses.replace(what, requests=lambda c: args.requests)
+    if args.prompt_len is not None:
+        what = dataclasses.replace(what, prompt_len=args.prompt_len)
     out = simulate_table(what, concurrency, arms)
     out["served_cost"] = args.served_cost
     if args.json:
@@ -657,15 +662,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"served: {out['acceptance']}\ntuned on: {out['tuned_acceptance']}")
     if args.served_cost is not None:
         print(f"step times served from: {args.served_cost}")
-    print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'full':>10} {'vs best':>8} {'ITL p50':>8} "
-          f"{'p99':>8} {'accept':>7}  k_hist   (full: the steps at full concurrency)")
+    e2e = args.prompt_len is not None
+    print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'full':>10} {'vs best':>8} "
+          + (f"{'e2e':>10} " if e2e else "") + f"{'ITL p50':>8} {'p99':>8} {'accept':>7}  k_hist   "
+          "(full: the steps at full concurrency" + ("; e2e: with the prefill forwards)" if e2e else ")"))
     for r in out["rows"]:
         ratio, full_ratio = (f"{r[key]:.3f}" if r[key] is not None else "-"
                              for key in ("ratio_vs_best_other", "full_ratio_vs_best_other"))
         hist = " ".join(f"{k}:{n}" for k, n in r["k_hist"].items()) if r["arm"] == "auto" else ""
         print(f"{r['concurrency']:>5} {r['arm']:>9} {r['goodput_tok_s'] or 0:>10.1f} {ratio:>8} "
               f"{r['full_tok_s'] or 0:>10.1f} {full_ratio:>8} "
-              f"{r['itl_p50_ms'] or 0:>8.2f} {r['itl_p99_ms'] or 0:>8.2f} {r['mean_accept_len']:>7.2f}  {hist}")
+              + (f"{r['output_tok_s'] or 0:>10.1f} " if e2e else "")
+              + f"{r['itl_p50_ms'] or 0:>8.2f} {r['itl_p99_ms'] or 0:>8.2f} {r['mean_accept_len']:>7.2f}  {hist}")
     return 0
 
 

@@ -175,6 +175,8 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     (["--acceptance", "nonsense"], "nonsense"),
     (["--repeats", "0"], "--repeats"),
     (["--decode-tokens", "0"], "--decode-tokens"),
+    (["--prompt-len", "0"], "--prompt-len"),
+    (["--prompt-len", "many"], "--prompt-len"),
     (["--served-cost", "missing-profile.yaml"], "missing-profile.yaml"),
 ])
 def test_simulate_bad_input(tmp_path, capsys, argv, needle):
@@ -185,6 +187,27 @@ def test_simulate_bad_input(tmp_path, capsys, argv, needle):
     assert needle in one_error_line(capsys, "simulate")
     assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in one_error_line(capsys, "simulate")
+
+
+def test_simulate_prompt_len_adds_end_to_end(tmp_path, capsys):
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    base = ["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "4",
+            "--arms", "plain,fixed:2,auto", "--requests", "8", "--repeats", "1", "--json"]
+    assert main(base) == 0
+    decode_only = json.loads(capsys.readouterr().out)
+    assert decode_only["prompt_len"] is None and all(r["output_tok_s"] is None for r in decode_only["rows"])
+    assert main([*base, "--prompt-len", "64"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert main([*base, "--prompt-len", "2048"]) == 0
+    long = json.loads(capsys.readouterr().out)
+    assert short["prompt_len"] == 64
+    for a, b, c in zip(decode_only["rows"], short["rows"], long["rows"], strict=True):
+        assert a["goodput_tok_s"] == b["goodput_tok_s"] == c["goodput_tok_s"]  # the decode run is the same
+        assert 0 < c["output_tok_s"] < b["output_tok_s"]  # longer prompts cost more end to end
+    assert main([*base[:-1], "--prompt-len", "64"]) == 0
+    assert "e2e" in capsys.readouterr().out
 
 
 def test_simulate_served_cost_plays_another_profiles_step_times(tmp_path, capsys):

@@ -415,7 +415,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     does not know through those times.
 
     ``prefill(n)``: the ms of admitting n requests at once by separate prefill forwards (the
-    engine's schedule; ``spectune.engine.bench.prefill_cost``), charged at the start and at every
+    engine's schedule; ``spectune.runtime.prefill_plan.prefill_ms``), charged at the start and at every
     refill, apart from the decode steps: ``SimResult.prefill_seconds`` and ``output_tok_s``. The
     decode figures do not include it.
     """

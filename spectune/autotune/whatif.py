@@ -32,6 +32,7 @@ from spectune.autotune.simulator import FixedK, PolicyFn, PrefillFn, simulate
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier
+from spectune.runtime.prefill_plan import prefill_ms
 
 FIXED_ARMS_MAX = 7  # default fixed arms: K = 1..min(max_k, FIXED_ARMS_MAX)
 
@@ -197,6 +198,7 @@ class WhatIf:
     shared: bool = False  # auto: one planner for every seed, trained first by an untimed run of the
     # first seed (the bench's protocol, ``engine.bench.train_online``); else a fresh one per run
     served_cost: CostModel | None = None  # the GPU's step times (default: the table's own cost model)
+    prompt_len: int | None = None  # end to end too: each admission's separate prefill forwards
 
 
 def served_cost_of(path: str, table: Any) -> CostModel:
@@ -224,6 +226,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
         work = dict(concurrency=c, requests=what.requests(c), decode_tokens=what.decode_tokens,
                     context_len=planner.cost.context_len, drift=what.drift, prior=prior,
                     seeds=range(what.seed, what.seed + what.repeats))
+        prefill = prefill_ms(served, what.prompt_len) if what.prompt_len is not None else None
         best = best_fixed_k(served, what.acceptance, max_k, **work)
         chosen = arms if arms is not None else default_arms(max_k, best)
         here = []
@@ -236,8 +239,9 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                     return FixedK(k)
                 return trained if trained is not None else what.make_planner()
 
-            p = predict_arm(served, what.acceptance, make, **work)
+            p = predict_arm(served, what.acceptance, make, prefill=prefill, **work)
             here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
+                         "output_tok_s": p.output_tok_s,
                          "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,
                          "itl_p99_ms": p.itl_p99_ms, "k_hist": {str(k): n for k, n in p.k_hist.items()},
                          "requests": work["requests"], "best_fixed_k": best})
@@ -246,7 +250,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     source = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
     tuned = table.acceptance.get("source") if table.acceptance else None
     return {"rows": rows, "acceptance": source, "tuned_acceptance": tuned, "drift": what.drift is not None,
-            "context_len": planner.cost.context_len, "repeats": what.repeats}
+            "context_len": planner.cost.context_len, "repeats": what.repeats, "prompt_len": what.prompt_len}
 
 
 def _trained_planner(what: WhatIf, cost: CostModel, work: dict[str, Any]) -> Any:

@@ -67,7 +67,6 @@ from spectune.engine.bench_accounting import (
     weighted_quantile,
 )
 from spectune.engine.engine import KV_SLACK, Engine, Policy, Request, RunResult
-from spectune.engine.prefill import schedule
 from spectune.engine.replay_drafter import ReplayDrafter
 from spectune.engine.trace_replay import TraceReplay, is_trace_source, load_trace_replay
 from spectune.errors import SpectuneError
@@ -75,8 +74,8 @@ from spectune.io import atomic_write_text
 from spectune.kernels.attention import verify_attention_ref
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
-from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Planner, load
+from spectune.runtime.prefill_plan import prefill_ms
 from spectune.runtime.table import DTYPES
 
 DEFAULT_REPEATS = 3  # interleaved timed runs per (concurrency, arm)
@@ -367,34 +366,12 @@ def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests
         return FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
 
     engine = setup.engine
-    prefill = None if engine.mixed is not None else prefill_cost(  # (riding prompts: not modelled yet)
-        setup.planner.cost, len(setup.requests[0].prompt), engine.prefill_chunk, engine.prefill_tokens,
-        engine.prefill.bucket)
+    prefill = None if engine.mixed is not None else prefill_ms(  # (riding prompts: not modelled yet)
+        setup.planner.cost, len(setup.requests[0].prompt), engine.prefill_chunk, engine.prefill_tokens)
     return predict_decode(setup.planner.cost, served.acceptance, make_policy, res, speculative=k != 0,
                           concurrency=concurrency, requests=n_requests, context_len=context_len, seed=seed,
                           decode_tokens=setup.requests[0].max_new_tokens - 1, drift=served.drift,
                           prior=setup.prior, at_measured_accept=at_measured_accept, prefill=prefill)
-
-
-def prefill_cost(cost: CostModel, prompt_len: int, chunk: int, max_tokens: int,
-                 bucket: Callable[[int], int]) -> Callable[[int], float]:
-    """ms of admitting n requests of ``prompt_len`` tokens at once by the engine's separate prefill
-    forwards (``prefill.schedule``: pieces of <= ``chunk`` tokens, <= ``max_tokens`` a forward,
-    each forward's graph padded to its token ``bucket``), each at the cost model's step time for
-    its tokens and pieces, the pieces' KV read at their mean position."""
-    memo: dict[int, float] = {}
-
-    def ms(n: int) -> float:
-        if n not in memo:
-            total = 0.0
-            for pieces in schedule([prompt_len] * n, chunk, max_tokens):
-                tokens = sum(p.length for p in pieces)
-                context = sum(p.start + p.length / 2 for p in pieces) / len(pieces)
-                total += cost.target_ms(bucket(tokens), len(pieces), context)
-            memo[n] = total
-        return memo[n]
-
-    return ms
 
 
 def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], power: Any,

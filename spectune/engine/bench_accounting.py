@@ -130,7 +130,7 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     error left is the cost model's and what the simulator leaves out (ride-along rows, the order
     of admissions); over the measured steps it is the cost model's alone.
     ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations).
-    ``prefill(n)`` (``bench.prefill_cost``: the ms of admitting n requests by separate prefill
+    ``prefill(n)`` (``runtime.prefill_plan.prefill_ms``: the ms of admitting n requests by separate prefill
     forwards) adds the end-to-end prediction."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 

@@ -20,7 +20,6 @@ Without CUDA the same bodies run eagerly (tests on CPU go through the same packi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,55 +27,12 @@ from torch import Tensor
 
 from spectune.engine.run_log import top2_margin
 from spectune.kernels.attention_metadata import AttnMeta
+from spectune.runtime.prefill_plan import Piece, bucket_for, default_buckets, next_forward, schedule
+
+__all__ = ["Piece", "PrefillGraphs", "PrefillRegion", "default_buckets", "next_forward", "schedule"]
 
 # target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
 TargetFn = Callable[[Tensor, Tensor, AttnMeta], Tensor]
-
-
-@dataclass(frozen=True)
-class Piece:
-    index: int  # request's index in the admission (its row is row0 + index)
-    start: int  # first prompt position of the piece (tokens already cached)
-    length: int
-    last: bool  # the piece ends the prompt
-
-
-def next_forward(prompt_lens: Sequence[int], done: Sequence[int], chunk: int, max_tokens: int) -> list[Piece]:
-    """The pieces of one forward: requests in order, each its next <= ``chunk`` tokens after the
-    ``done`` already cached, <= ``max_tokens`` in all."""
-    room, pieces = max_tokens, []
-    for i, (n, d) in enumerate(zip(prompt_lens, done, strict=True)):
-        if d >= n or room == 0:
-            continue
-        take = min(chunk, n - d, room)
-        pieces.append(Piece(i, d, take, d + take == n))
-        room -= take
-    return pieces
-
-
-def schedule(prompt_lens: Sequence[int], chunk: int, max_tokens: int) -> list[list[Piece]]:
-    """Forwards of pieces: every forward holds <= ``max_tokens`` tokens and at most one piece per
-    request; a request's pieces come in prompt order in successive forwards."""
-    done = [0] * len(prompt_lens)
-    forwards: list[list[Piece]] = []
-    while any(d < n for d, n in zip(done, prompt_lens, strict=True)):
-        pieces = next_forward(prompt_lens, done, chunk, max_tokens)
-        for p in pieces:
-            done[p.index] += p.length
-        forwards.append(pieces)
-    return forwards
-
-
-def default_buckets(chunk: int, max_tokens: int) -> list[int]:
-    """Token counts with a graph: powers of two to 256, then multiples of 256 (padding <= 50 %
-    below 256 tokens and < 256 tokens above)."""
-    out, t = set(), 16
-    while t < min(256, max_tokens):
-        out.add(t)
-        t *= 2
-    out.update(range(256, max_tokens + 1, 256))
-    out.add(max_tokens)
-    return sorted(out)
 
 
 class PrefillRegion:
@@ -112,10 +68,7 @@ class PrefillRegion:
         return min(self.max_slots, bucket)
 
     def bucket(self, tokens: int) -> int:
-        for b in self.buckets:
-            if b >= tokens:
-                return b
-        raise ValueError(f"{tokens} prefill tokens exceed the largest bucket {self.buckets[-1]}")
+        return bucket_for(self.buckets, tokens)
 
     def meta(self, bucket: int) -> AttnMeta:
         """The pieces' attention metadata (block tables gathered from the engine's; no slots)."""

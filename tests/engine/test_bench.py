@@ -250,20 +250,14 @@ def test_float32_gate_on_cuda(tmp_path):
     assert all(r["hard_mismatches"] == 0 and r["decode_tok_s"] > 0 for r in data["rows"])
 
 
-def test_prefill_cost_follows_the_engines_schedule_and_buckets():
-    from spectune.engine.bench import prefill_cost
-    from spectune.engine.prefill import default_buckets
+def test_prefill_ms_follows_the_engines_schedule_and_buckets():
     from spectune.runtime.costs import CostModel
+    from spectune.runtime.prefill_plan import prefill_ms
     from spectune.runtime.table import CostModelParams, DrafterCost, OverheadCost, TargetCost
 
     cost = CostModel(CostModelParams(TargetCost(5.0, 0.01, 100.0, 0.02, 30.0), DrafterCost(0.0, 0.0, 0.0),
                                      OverheadCost(0.5, 0.01)), "autoregressive", 2048)
-    buckets = default_buckets(512, 4096)
-
-    def bucket(n: int) -> int:
-        return next(b for b in buckets if b >= n)
-
-    ms = prefill_cost(cost, 600, 512, 4096, bucket)
+    ms = prefill_ms(cost, 600, 512, 4096)
     # one 600-token prompt: a 512-token piece, then the last 88 tokens (bucket 128) after them
     assert ms(1) == pytest.approx(cost.target_ms(512, 1, 256) + cost.target_ms(128, 1, 512 + 44))
     # eight: pieces of 512 (4096 a forward: 8 pieces), then eight 88-token tails in one forward (704 -> 768)
