@@ -44,9 +44,9 @@ def case(batch: int, q: int, context: int, piece: int, *, heads: int, kv_heads: 
     meta.block_tables = make_block_tables(seq, BLOCK, blocks, shuffle=True, generator=gen, device=device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = (blocks, BLOCK, kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen, device=device).to(dtype)
-    v = torch.randn(shape, generator=gen, device=device).to(dtype)
-    x = torch.randn((sum(q_lens), heads, head_dim), generator=gen, device=device).to(dtype)
+    k = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)  # (a CPU generator: same draws anywhere)
+    v = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn((sum(q_lens), heads, head_dim), generator=gen).to(device=device, dtype=dtype)
     decode = AttnMeta(cu_seqlens_q=meta.cu_seqlens_q[: batch + 1], context_lens=meta.context_lens[:batch],
                       max_q=q, block_tables=meta.block_tables[:batch])
     pieces = AttnMeta(cu_seqlens_q=meta.cu_seqlens_q[batch:], context_lens=meta.context_lens[batch:],
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     pieces = int_list(args.pieces, "--pieces", example="256,512")
     small = args.device != "cuda"  # the interpreter: a small model of the same shape of work
     heads, kv_heads, head_dim = (8, 2, 32) if small else (32, 8, 128)
-    gen = torch.Generator(device=args.device).manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     rows = []
     say(f"{'batch':>5} {'q':>3} {'piece':>5} {'one launch us':>13} {'two launches us':>15} {'two / one':>9} "
         f"{'max |diff|':>10}")
