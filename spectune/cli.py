@@ -541,11 +541,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     def show(r: dict) -> None:  # each row as it is measured
         if r is first_row.setdefault("row", r):
-            print(f"{'conc':>5} {'arm':>9} {'rep':>3} {'tok/s':>9} {'decode':>9} {'pred':>9} {'@accept':>9} "
+            print(f"{'conc':>5} {'arm':>9} {'rep':>3} {'e2e':>9} {'pred':>9} {'decode':>9} {'pred':>9} {'@accept':>9} "
                   f"{'ITL p50':>8} {'p99':>8} {'accept':>7} {'clean':>6} {'J/tok':>7} {'done':>5} {'fail':>5} "
                   f"{'hard':>5} {'tie':>5}")
         print(f"{r['concurrency']:>5} {r['arm']:>9} {r.get('repeat', 0):>3} {r['output_tok_s']:>9.1f} "
-              f"{num(r['decode_tok_s'], '9.1f'):>9} "
+              f"{num(r.get('predicted_output_tok_s'), '9.1f'):>9} {num(r['decode_tok_s'], '9.1f'):>9} "
               f"{num(r['predicted_tok_s'], '9.1f'):>9} {num(r['predicted_tok_s_at_measured_accept'], '9.1f'):>9} "
               f"{num(r['itl_p50_ms'], '8.2f'):>8} {num(r['itl_p99_ms'], '8.2f'):>8} "
               f"{num(r['mean_accept_len'], '7.2f'):>7} {num(r['mean_accept_len_clean'], '6.2f'):>6} "

@@ -283,3 +283,17 @@ def test_predict_e2e_beside_the_h200_runs():
     for r in rows:
         assert r["predicted_output_tok_s"] < r["predicted_decode_tok_s"]
         assert abs(r["output_error"]) < 0.15  # measured on the H200 vs the profile's cost model
+
+
+def test_bench_table_shows_end_to_end_beside_its_prediction(tmp_path, capsys):
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "r.json"
+    assert main(["bench", "--policy", str(policy), "--out", str(out), "--concurrency", "1", "--arms", "plain",
+                 "--repeats", "1", "--prompts", "2", "--max-new-tokens", "4", "--prompt-len", "5", "--device", "cpu",
+                 "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:5] == ["conc", "arm", "rep", "e2e", "pred"])
+    row = json.loads(out.read_text())["rows"][0]
+    cells = lines[head + 1].split()
+    assert float(cells[3]) == pytest.approx(row["output_tok_s"], abs=0.06)
+    assert float(cells[4]) == pytest.approx(row["predicted_output_tok_s"], abs=0.06)
