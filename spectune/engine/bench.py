@@ -16,7 +16,8 @@ plain arm's top-1 minus top-2 logit at the first differing index is within the d
 defect). ``--dtype float32`` on CUDA runs with TF32 off: the exactness gate, where hard mismatches
 must be 0. Throughput: ``decode_tok_s`` counts decode/verify steps only (what the simulator
 predicts); ``full_tok_s`` only the steps that ran at full concurrency (serving under load: a
-closed run's ramp and drain left out; ``summary_full_load``); ``output_tok_s`` is end to end.
+closed run's ramp and drain left out; ``summary_full_load``); ``output_tok_s`` is end to end
+(prefill included; ``summary_end_to_end``), predicted as ``predicted_output_tok_s``.
 
 On CPU the same path runs eagerly with the kernels' torch references (the tiny preset by default).
 """
@@ -496,7 +497,8 @@ def _writer(out: str, header: dict[str, Any], on_row: Callable[[dict[str, Any]],
     def write(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
         # rewritten after every row: a run cut short still leaves the rows it finished
         results = {"header": {**header, "complete": complete}, "rows": rows, "summary": summarise(rows),
-                   "summary_full_load": summarise(rows, "full_tok_s")}
+                   "summary_full_load": summarise(rows, "full_tok_s"),
+                   "summary_end_to_end": summarise(rows, "output_tok_s")}
         atomic_write_text(Path(out), json.dumps(results, indent=1) + "\n")
         if on_row is not None and rows and not complete:
             on_row(rows[-1])

@@ -179,8 +179,9 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str = "decode_tok_s") -> d
     """Per (concurrency, arm): ``metric`` over repeats (mean, 95 % interval, timed-out runs);
     per concurrency: auto / the best other arm (by mean) and auto / plain, each the mean and
     interval of the per-repeat ratios (arms of one repeat share the acceptance draws).
-    ``metric``: ``decode_tok_s`` (every decode step of the run) or ``full_tok_s`` (the steps at
-    full concurrency: serving under load, without the closed run's ramp and drain)."""
+    ``metric``: ``decode_tok_s`` (every decode step of the run), ``full_tok_s`` (the steps at
+    full concurrency: serving under load, without the closed run's ramp and drain) or
+    ``output_tok_s`` (end to end: the whole run, prefill included)."""
     arms: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
     for r in rows:
         arms.setdefault((r["concurrency"], r["arm"]), {})[r.get("repeat", 0)] = r

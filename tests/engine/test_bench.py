@@ -69,6 +69,11 @@ def test_bench_header_and_extra_fields(results):
     plain = next(r for r in data["rows"] if r["arm"] == "plain" and r["concurrency"] == 2)
     assert plain["drafter_calls"] == 0 and plain["tokens"] == 3 * 8 and not plain["timed_out"]
     assert plain["decode_tokens"] == 3 * 7 and 0 < plain["decode_seconds"] <= plain["seconds"]
+    e2e = data["summary_end_to_end"]
+    assert e2e["metric"] == "output_tok_s" and {r["concurrency"] for r in e2e["ratios"]} == {1, 2}
+    for arm in e2e["arms"]:
+        runs = [r["output_tok_s"] for r in data["rows"] if (r["concurrency"], r["arm"]) == (arm["concurrency"], arm["arm"])]
+        assert arm["output_tok_s"] == pytest.approx(sum(runs) / len(runs))
     for row in data["rows"]:
         assert row["predicted_tok_s_at_measured_steps"] > 0
         assert row["prediction_error"] == pytest.approx(row["decode_tok_s"] / row["predicted_tok_s"] - 1)
