@@ -602,7 +602,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="seeds per (concurrency, arm), pooled (default 3)")
     p.add_argument("--decode-tokens", type=int, default=None,
                    help="new tokens per request (default 127; `spectune bench`'s --max-new-tokens minus 1)")
-    p.add_argument("--prompt-len", type=number(int, 1, 1 << 20), default=None,
+    p.add_argument("--prompt-len", type=number(int, 1, 1 << 17), default=None,
                    help="prompt tokens per request: adds end-to-end tok/s, each admission's separate "
                         "prefill forwards at the table's step time (as `spectune bench` prefills)")
     p.add_argument("--shared-planner", action="store_true",

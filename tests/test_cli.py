@@ -177,6 +177,7 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     (["--decode-tokens", "0"], "--decode-tokens"),
     (["--prompt-len", "0"], "--prompt-len"),
     (["--prompt-len", "many"], "--prompt-len"),
+    (["--prompt-len", str(1 << 20)], "--prompt-len"),  # past any profiled context
     (["--served-cost", "missing-profile.yaml"], "missing-profile.yaml"),
 ])
 def test_simulate_bad_input(tmp_path, capsys, argv, needle):
