@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.autotune.acceptance import resolve_acceptance
-from spectune.autotune.whatif import tuned_prior
+from spectune.autotune.whatif import predict_arm, tuned_prior
 from spectune.engine.bench import FixedPolicy, bench_tiers, parse_arm, widen
 from spectune.engine.bench_accounting import SIM_REQUESTS
 from spectune.io import atomic_write_text
@@ -30,8 +30,6 @@ from spectune.runtime.prefill_plan import prefill_ms
 
 
 def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
-    from spectune.autotune.whatif import predict_arm
-
     data = json.loads(path.read_text())
     h = data["header"]
     if h.get("mixed_prefill"):

@@ -525,3 +525,18 @@ def test_attention_parts_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     assert [(r["batch"], r["piece"]) for r in res["rows"]] == [(2, 24), (3, 24)]
     assert all(r["max_abs_diff"] < 1e-4 for r in res["rows"])  # two launches give one launch's rows
     assert "two / one" in capsys.readouterr().out
+
+
+def test_predict_e2e_beside_the_h200_runs():
+    mod = load("predict_e2e")
+    root = BENCH.parent
+    res = BENCH / "results" / "engine_speed_h200_v14"
+    rows = [r for d in ("bursts_apart_p64", "bursts_apart_p256", "every_prompt_rides_p256")
+            for f in ("bench_separate.json", "bench_mixed_256.json", "bench_mixed256.json")
+            if (res / d / f).exists() for r in mod.predict_file(res / d / f, root)]
+    assert {(r["prompt_len"], r["concurrency"], r["arm"]) for r in rows} == {
+        (64, 32, "plain"), (64, 32, "auto"), (64, 64, "plain"), (64, 64, "auto"),
+        (256, 64, "plain"), (256, 64, "auto"), (256, 32, "plain"), (256, 32, "auto")}  # separate runs only
+    for r in rows:
+        assert r["predicted_output_tok_s"] < r["predicted_decode_tok_s"]
+        assert abs(r["output_error"]) < 0.15  # measured on the H200 vs the profile's cost model

@@ -532,7 +532,7 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "decisive_logits": decisive_for(config, setup.dtype), "fused": config.fused,
         "mixed_prefill": config.mixed_prefill,
         "prefill_budget": config.prefill_budget if config.mixed_prefill else None,
-        "ride_limit": (config.ride_limit or config.prefill_budget) if config.mixed_prefill else None,
+        "ride_limit": setup.engine.ride_limit if config.mixed_prefill else None,
     }
 
 

@@ -165,18 +165,18 @@ class Engine:
                  ride_limit: int | None = None):
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // block_size)
+        # mixed prefill: an admission of more prompt tokens than this (nothing else filling) is a
+        # burst, prefilled by separate forwards; smaller ones ride in the steps (``_rides``)
+        self.ride_limit = prefill_budget if ride_limit is None else ride_limit
         for name, value, lo in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("prefill_tokens", prefill_tokens, 1),
-                                ("prefill_budget", prefill_budget, 1), ("ride_limit", 1 if ride_limit is None else ride_limit, 1),
+                                ("prefill_budget", prefill_budget, 1), ("ride_limit", self.ride_limit, 1),
                                 ("num_blocks", num_blocks, 1 + self.max_blocks)):
             if value < lo:
                 raise EngineError(name, f"must be >= {lo}, got {value}")
         self.target, self.block_size, self.max_len = target, block_size, max_len
         self.max_batch, self.max_k, self.num_blocks = max_batch, max_k, num_blocks
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
-        # mixed prefill: an admission of more prompt tokens than this (nothing else filling) is a
-        # burst, prefilled by separate forwards; smaller ones ride in the steps
-        self.ride_limit = prefill_budget if ride_limit is None else ride_limit
         # the decode graphs also write each token's top-1 minus top-2 logit (engine_run.MarginTap)
         self.tap = MarginTap(target, max(int(t) for t in tiers), self.device)
         self.state = EngineState.make(max_batch, self.max_blocks, self.device)
@@ -229,7 +229,7 @@ class Engine:
         groups: dict[int, tuple[int, int]] = {}  # bucket -> one (prompts, length) admission that uses it
         for g in range(1, min(max_group, self.max_batch) + 1):
             for n in set(prompt_lens):
-                if self.mixed is not None and g * n <= self.ride_limit:
+                if self._rides(g * n):
                     continue  # rides in the steps
                 for pieces in schedule([n] * g, self.prefill_chunk, self.prefill_tokens):
                     groups.setdefault(self.prefill.bucket(sum(p.length for p in pieces)), (g, n))
@@ -455,7 +455,7 @@ class Engine:
         s.max_new[lo:hi].copy_(_to_device([r.max_new_tokens for r in reqs], torch.int32, self.device))
         s.request[lo:hi].copy_(_to_device(new, torch.int64, self.device))
         s.produced[lo:hi].fill_(1)
-        if self.mixed is not None and (self.filling or sum(len(r.prompt) for r in reqs) <= self.ride_limit):
+        if self.filling or self._rides(sum(len(r.prompt) for r in reqs)):
             for rid in new:  # the prompts ride in the next steps (``_load_ride``)
                 self.filling.add(rid, admit_mark)
             return
@@ -466,6 +466,11 @@ class Engine:
             run.ttft_marks[rid] = (admit_mark, first_mark)
         self.rows += new
         self._send(run, StepCopy(_to_host(first[:, None]), None, new, it, None, _to_host(margins)))
+
+    def _rides(self, prompt_tokens: int) -> bool:
+        """Whether an admission of this many prompt tokens, with no prompt still filling, rides in
+        the steps (mixed prefill, not a burst) rather than taking separate prefill forwards."""
+        return self.mixed is not None and prompt_tokens <= self.ride_limit
 
     def _prefill(self, reqs: list[Request], row0: int) -> tuple[Tensor, Tensor]:
         """Prompts of rows row0.. into the KV cache (``prefill.PrefillGraphs``: pieces of <=
