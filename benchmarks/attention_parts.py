@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import make_block_tables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_common import int_list, say  # noqa: E402  (the probes' shared helpers)
+from probe_common import graph_replay_us, int_list, say  # noqa: E402  (the probes' shared helpers)
 
 BLOCK = 16
 
@@ -58,21 +57,7 @@ def replay_us(fn, device: str, reps: int) -> float:
     if device != "cuda":
         fn()
         return float("nan")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return graph_replay_us(fn, reps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -500,6 +500,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ride-limit", type=number(int, 1, BENCH_MAX_TOKENS * 1024), default=None,
                    help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
                         "still riding, takes separate prefill forwards (default: the prefill budget)")
+    p.add_argument("--ride-pieces", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
+                   help="with --mixed-prefill: prompt pieces one step carries at most (default 16; the "
+                        "pieces' attention launch has a program per piece slot)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="results JSON path")
     p.set_defaults(func=cmd_bench)
@@ -513,6 +516,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
     from spectune.engine.bench import DEFAULT_PREFILL_BUDGET, BenchConfig, run_bench
+    from spectune.runtime.prefill_plan import RIDE_PIECES
 
     if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
         raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
@@ -521,6 +525,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--prefill-budget: only used with --mixed-prefill")
     if args.ride_limit is not None and not args.mixed_prefill:
         raise UsageError("--ride-limit: only used with --mixed-prefill")
+    if args.ride_pieces is not None and not args.mixed_prefill:
+        raise UsageError("--ride-pieces: only used with --mixed-prefill")
     if args.acceptance is not None:  # a bad source fails now, before any model is built
         from spectune.autotune.acceptance import resolve_acceptance
         from spectune.runtime.table import read_table
@@ -534,6 +540,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
         drift=args.drift, repeats=args.repeats, fused=args.fused, mixed_prefill=args.mixed_prefill,
         prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET, ride_limit=args.ride_limit,
+        ride_pieces=args.ride_pieces or RIDE_PIECES,
     )
 
     def num(v, fmt):
@@ -605,6 +612,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=number(int, 1, 1 << 17), default=None,
                    help="prompt tokens per request: adds end-to-end tok/s, each admission's separate "
                         "prefill forwards at the table's step time (as `spectune bench` prefills)")
+    p.add_argument("--mixed-prefill", action="store_true",
+                   help="with --prompt-len: prompts ride in the decode steps (`spectune bench --mixed-prefill`), "
+                        "each riding step's target at its tier + prompt tokens")
+    p.add_argument("--prefill-budget", type=number(int, 1, 1 << 17), default=None,
+                   help="prompt tokens one step carries with --mixed-prefill (default 256)")
+    p.add_argument("--ride-limit", type=number(int, 1, 1 << 30), default=None,
+                   help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
+                        "still riding, takes separate prefill forwards (default: the prefill budget)")
     p.add_argument("--shared-planner", action="store_true",
                    help="auto: one planner, trained by a first untimed run, serves every seed (what "
                         "`spectune bench` does with --repeats) instead of a fresh planner per run")
@@ -629,11 +644,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         split_drift,
     )
     from spectune.runtime.planner import load
+    from spectune.runtime.prefill_plan import RIDE_BUDGET, Riding
 
     for option, value in (("--requests", args.requests), ("--repeats", args.repeats),
                           ("--decode-tokens", args.decode_tokens)):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1, got {value}")
+    if args.mixed_prefill and args.prompt_len is None:
+        raise UsageError("--mixed-prefill: needs --prompt-len (the prompts that ride)")
+    for option, value in (("--prefill-budget", args.prefill_budget), ("--ride-limit", args.ride_limit)):
+        if value is not None and not args.mixed_prefill:
+            raise UsageError(f"{option}: only used with --mixed-prefill")
     concurrency = _positive_ints(args.concurrency, "--concurrency")
     arms = parse_arms(args.arms) if args.arms is not None else None
     planner = load(args.policy, on_gpu_mismatch="ignore")
@@ -654,6 +675,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         what = dataclasses.replace(what, requests=lambda c: args.requests)
     if args.prompt_len is not None:
         what = dataclasses.replace(what, prompt_len=args.prompt_len)
+    if args.mixed_prefill:
+        what = dataclasses.replace(what, ride=Riding(args.prompt_len, args.prefill_budget or RIDE_BUDGET,
+                                                     args.ride_limit))
     out = simulate_table(what, concurrency, arms)
     out["served_cost"] = args.served_cost
     if args.json:

@@ -488,10 +488,10 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
     mod = load("mixed_prefill")
     policy = Path(__file__).resolve().parent.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"
     assert mod.main(["--out-dir", str(tmp_path), "--policy", str(policy), "--device", "cpu", "--no-fused",
-                     "--modes", "separate,mixed:8,mixed:8:all", "--concurrency", "2", "--repeats", "1",
+                     "--modes", "separate,mixed:8,mixed:8:all:p1", "--concurrency", "2", "--repeats", "1",
                      "--prompt-len", "6", "--max-new-tokens", "4"]) == 0
     table = json.loads((tmp_path / "mixed_prefill.json").read_text())
-    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:all"}
+    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:all:p1"}
     for mode, cells in table["modes"].items():
         for arm in ("plain", "auto"):
             cell = cells[f"2/{arm}"]
@@ -503,12 +503,14 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
             assert all(r["mixed_prefill_tokens"] == 0 and r["prefill_forwards"] > 0 for r in rows)
         elif mode == "mixed:8":  # two 6-token prompts admitted at once pass the ride limit of 8: apart
             assert bench["header"]["ride_limit"] == 8 and all(r["prefill_forwards"] > 0 for r in rows)
-        else:  # every prompt rides
+        else:  # every prompt rides, one piece a step
             assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
+            assert bench["header"]["ride_pieces"] == 1
     assert "e2e/sep.decode" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mode", ["mixed", "mixed:0", "mixed:8:some", "mixed:8:", "fused"])
+@pytest.mark.parametrize("mode", ["mixed", "mixed:0", "mixed:8:some", "mixed:8:", "fused", "mixed:8:p0",
+                                  "mixed:8:all:p", "mixed:p4"])
 def test_mixed_prefill_refuses_a_bad_mode(tmp_path, mode):
     mod = load("mixed_prefill")
     with pytest.raises(SystemExit, match="--modes"):
@@ -527,6 +529,33 @@ def test_attention_parts_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     assert "two / one" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("q_tokens, ctx", [(1, 64), (3, 96), (16, 64)])
+def test_attention_q16_variants_match_the_reference(monkeypatch, q_tokens, ctx):
+    """The stripped loop's exact variants (``full``, ``lazy``) against ``verify_attention_ref`` on
+    fresh random inputs, in Triton's interpreter; queries scaled up so the running max moves by
+    more than the lazy threshold between tiles."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mod = load("attention_q16")
+    q, kc, vc, bt = mod.make_inputs(2, ctx, q_tokens, "cpu", torch.float32, seed=ctx + q_tokens)
+    q = q * 4.0
+    ref = mod.reference(q, kc, vc, bt, ctx, q_tokens)
+    for variant in ("full", "lazy"):
+        out = mod.run_variant(variant, q, kc, vc, bt, ctx, q_tokens, torch.empty_like(q), block_n=16)
+        assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), variant
+    # the leave-a-stage-out variants run (their outputs are not attention)
+    for variant in ("loads", "dots"):
+        mod.run_variant(variant, q, kc, vc, bt, ctx, q_tokens, torch.empty_like(q), block_n=16)
+
+
+def test_attention_q16_refuses_without_a_gpu_and_bad_options(capsys):
+    mod = load("attention_q16")
+    if not torch.cuda.is_available():
+        assert mod.main(["--out-dir", "."]) == 2
+        assert "CUDA" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--qs"):
+        mod.main(["--qs", "0,16"])
+
+
 def test_predict_e2e_beside_the_h200_runs():
     mod = load("predict_e2e")
     root = BENCH.parent
@@ -534,9 +563,19 @@ def test_predict_e2e_beside_the_h200_runs():
     rows = [r for d in ("bursts_apart_p64", "bursts_apart_p256", "every_prompt_rides_p256")
             for f in ("bench_separate.json", "bench_mixed_256.json", "bench_mixed256.json")
             if (res / d / f).exists() for r in mod.predict_file(res / d / f, root)]
-    assert {(r["prompt_len"], r["concurrency"], r["arm"]) for r in rows} == {
+    separate = [r for r in rows if r["prefill"] == "separate"]
+    assert {(r["prompt_len"], r["concurrency"], r["arm"]) for r in separate} == {
         (64, 32, "plain"), (64, 32, "auto"), (64, 64, "plain"), (64, 64, "auto"),
-        (256, 64, "plain"), (256, 64, "auto"), (256, 32, "plain"), (256, 32, "auto")}  # separate runs only
-    for r in rows:
+        (256, 64, "plain"), (256, 64, "auto"), (256, 32, "plain"), (256, 32, "auto")}
+    for r in separate:
         assert r["predicted_output_tok_s"] < r["predicted_decode_tok_s"]
         assert abs(r["output_error"]) < 0.15  # measured on the H200 vs the profile's cost model
+        assert r["predicted_ride_steps"] is None and r["excess_ms_per_ride_step"] is None
+    # mixed prefill: the bursts-apart runs (ride limit 256) and the runs from before the limit
+    # existed (every prompt rode)
+    riding = {(r["prefill"], r["prompt_len"], r["concurrency"], r["arm"]): r for r in rows if r not in separate}
+    assert {key[0] for key in riding} == {"ride:256:256", "ride:256:all"}
+    assert riding["ride:256:all", 256, 32, "plain"]["predicted_ride_steps"] > 0  # every prompt rode
+    assert riding["ride:256:256", 256, 64, "plain"]["predicted_ride_steps"] == 0  # plain's waves are bursts
+    for r in riding.values():
+        assert r["predicted_output_tok_s"] > 0 and r["output_error"] is not None

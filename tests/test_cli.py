@@ -211,6 +211,44 @@ def test_simulate_prompt_len_adds_end_to_end(tmp_path, capsys):
     assert "e2e" in capsys.readouterr().out
 
 
+def test_simulate_mixed_prefill_rides_the_prompts(tmp_path, capsys):
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    base = ["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "4",
+            "--arms", "plain,fixed:2", "--requests", "8", "--repeats", "1", "--prompt-len", "64", "--json"]
+    assert main(base) == 0
+    separate = json.loads(capsys.readouterr().out)
+    assert separate["mixed_prefill"] is None
+    assert main([*base, "--mixed-prefill", "--prefill-budget", "128", "--ride-limit", "4096"]) == 0
+    riding = json.loads(capsys.readouterr().out)
+    assert riding["mixed_prefill"] == {"budget": 128, "ride_limit": 4096}
+    for a, b in zip(separate["rows"], riding["rows"], strict=True):
+        assert b["output_tok_s"] > 0 and b["output_tok_s"] != a["output_tok_s"]
+        assert b["goodput_tok_s"] != a["goodput_tok_s"]  # the riding steps are decode steps
+    # a ride limit below every admission: the prompts take separate forwards, as without riding
+    assert main([*base, "--mixed-prefill", "--ride-limit", "1"]) == 0
+    bursts = json.loads(capsys.readouterr().out)
+    for a, b in zip(separate["rows"], bursts["rows"], strict=True):
+        assert b["output_tok_s"] == pytest.approx(a["output_tok_s"]) and b["goodput_tok_s"] == pytest.approx(
+            a["goodput_tok_s"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--mixed-prefill"], "--prompt-len"),
+    (["--prompt-len", "64", "--prefill-budget", "128"], "--prefill-budget"),
+    (["--prompt-len", "64", "--ride-limit", "128"], "--ride-limit"),
+    (["--prompt-len", "64", "--mixed-prefill", "--prefill-budget", "0"], "--prefill-budget"),
+    (["--prompt-len", "64", "--mixed-prefill", "--ride-limit", "x"], "--ride-limit"),
+])
+def test_simulate_mixed_prefill_bad_input(tmp_path, capsys, argv, needle):
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    assert main(["simulate", str(policy), "--concurrency", "2", *argv]) == 2
+    assert needle in one_error_line(capsys, "simulate")
+
+
 def test_simulate_served_cost_plays_another_profiles_step_times(tmp_path, capsys):
     """``--served-cost``: the policy plans on its own table, the runs are timed by the other
     profile's cost model; a profile of another target is refused in one line."""

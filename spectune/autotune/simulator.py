@@ -21,6 +21,10 @@ the class prior, ``Allocation``; the Monte-Carlo run ranks by what a runtime kno
 Survival estimates are non-increasing per request, so each grant is a prefix.
 Emitted tokens of a request = accepted drafts + 1 (bonus/corrected token).
 Step time = drafter(b, K) + target(tier) + overhead(tier): the step pays for its padded tier.
+End to end (``simulate(prefill=..., ride=...)``): an admission's prompts take separate prefill
+forwards (``prefill``), or ride in the decode steps (``ride``: mixed prefill; a step carrying P
+prompt tokens runs its target at tier + P tokens, and a request joins the batch after its last
+piece), as the engine runs them.
 Drafter confidence (``AcceptanceModel.calibration``) is not simulated.
 """
 
@@ -45,6 +49,7 @@ from spectune.autotune.expectation import (
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier, step_ms
+from spectune.runtime.prefill_plan import Piece, Riding
 from spectune.runtime.request_history import expected_accepts, request_confidences
 
 SimAllocation = Literal["history", "oracle", "uniform"]  # Monte-Carlo (module doc)
@@ -95,13 +100,17 @@ class SimResult:
     full_tokens: int = 0  # tokens and seconds of the steps that ran at the full concurrency
     full_seconds: float = 0.0  # (serving under load: a closed run without its ramp and drain)
     admitted: int = 0  # requests admitted (each one's first token comes from its prefill)
-    prefill_seconds: float = 0.0  # separate prefill forwards (``simulate(prefill=...)``), else 0
+    prefill_seconds: float = 0.0  # separate prefill forwards (``simulate(prefill=...)``) and, with
+    # ``ride``, the steps that carried prompt pieces with no live request; else 0
+    end_to_end: bool = False  # a prefill model was given: ``output_tok_s`` is defined
+    ride_steps: int = 0  # decode steps that carried prompt pieces (``simulate(ride=...)``)
 
     @property
     def output_tok_s(self) -> float | None:
         """End to end: every output token (the prefills' first ones too) over decode and prefill
-        time; None without a prefill model."""
-        if not self.prefill_seconds:
+        time (the riding steps are decode steps: their pieces' cost is in ``seconds``); None
+        without a prefill model."""
+        if not self.end_to_end:
             return None
         return (self.tokens + self.admitted) / (self.seconds + self.prefill_seconds)
 
@@ -211,6 +220,44 @@ class _Batch:
         for name in ("req", "cls", "remaining", "made", "acc", "exp"):
             setattr(self, name, getattr(self, name)[mask])
 
+    def join(self, req: np.ndarray, cls: np.ndarray, remaining: np.ndarray) -> None:
+        """New live requests after the others, with no output and no history yet."""
+        zeros = np.zeros(len(req))
+        for name, x in (("req", req), ("cls", cls), ("remaining", remaining), ("made", zeros.astype(np.int64)),
+                        ("acc", zeros), ("exp", zeros)):
+            setattr(self, name, np.concatenate([getattr(self, name), x]))
+
+
+@dataclass
+class _Filling:
+    """Admitted requests whose prompts ride in the steps (``simulate(ride=...)``), in admission
+    order: id, class and output length drawn at admission, prompt tokens cached so far."""
+
+    req: list[int] = field(default_factory=list)
+    cls: list[int] = field(default_factory=list)
+    remaining: list[int] = field(default_factory=list)
+    done: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req)
+
+    def add(self, req: np.ndarray, cls: np.ndarray, remaining: np.ndarray) -> None:
+        self.req += req.tolist()
+        self.cls += cls.tolist()
+        self.remaining += remaining.tolist()
+        self.done += [0] * len(req)
+
+    def advance(self, pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Count the step's pieces; the requests whose prompt ended leave (id, class, output
+        length, in order)."""
+        for p in pieces:
+            self.done[p.index] += p.length
+        ended = {p.index for p in pieces if p.last}
+        out = tuple(np.array([x[j] for j in sorted(ended)], np.int64) for x in (self.req, self.cls, self.remaining))
+        for name in ("req", "cls", "remaining", "done"):
+            setattr(self, name, [x for j, x in enumerate(getattr(self, name)) if j not in ended])
+        return out  # type: ignore[return-value]
+
 
 @dataclass
 class _Tally:
@@ -228,6 +275,7 @@ class _Tally:
     full_ms: float = 0.0
     admitted: int = 0
     prefill_ms: float = 0.0
+    ride_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,6 +294,7 @@ class _Run:
     lengths: Lengths
     prior: np.ndarray  # [max_k] rates used when the policy has no live estimate
     prefill: PrefillFn | None = None  # ms of admitting n requests at once (separate forwards)
+    ride: Riding | None = None  # mixed prefill: prompts ride in the steps
 
 
 def _new_requests(run: _Run, ids: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -307,11 +356,16 @@ def _verify(run: _Run, batch: _Batch, k: int, granted: np.ndarray, rates: np.nda
 
 
 def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accepted: np.ndarray,
-             full: bool) -> float:
+             full: bool, pieces: Sequence[Piece] = ()) -> float:
     assert plan.tier is not None
     b = len(batch.req)
     emitted = np.minimum(accepted + 1, batch.remaining)
-    ms = step_ms(run.cost, b, k, plan.tier)
+    if pieces:  # prompt pieces ride in this step's forward
+        assert run.ride is not None
+        ms = run.cost.drafter_ms(b, k) + run.ride.forward_ms(run.cost, b, plan.tier, pieces, verify=k > 0)
+        tally.ride_steps += 1
+    else:
+        ms = step_ms(run.cost, b, k, plan.tier)
     tally.lat.append(ms / emitted)
     tally.wts.append(emitted)
     tally.tokens += int(emitted.sum())
@@ -355,6 +409,46 @@ def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, s
     return next_req + n_new
 
 
+def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req: int, concurrency: int,
+            step: int) -> int:
+    """Mixed prefill (``run.ride``): finished requests leave, and new ones take the free slots
+    (closed: while the queue lasts): riding (they wait in ``filling``) or, a burst with nothing
+    filling, by separate prefill forwards (live at once). Returns the next request id."""
+    finished = batch.remaining <= 0
+    if finished.any():
+        tally.done += int(finished.sum())
+        batch.keep(~finished)
+    free = concurrency - len(batch.req) - len(filling)
+    n = free if not run.closed else min(free, (run.requests or 0) - next_req)
+    if n <= 0:
+        return next_req
+    assert run.ride is not None
+    ids = np.arange(next_req, next_req + n)
+    cls, remaining = _new_requests(run, ids, step)
+    if run.ride.rides(n, len(filling)):
+        filling.add(ids, cls, remaining)
+    else:
+        batch.join(ids, cls, remaining)
+        _admit(run, tally, n)
+    return next_req + n
+
+
+def _join(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, pieces: Sequence[Piece]) -> None:
+    """After a step that carried ``pieces``: the requests whose prompt ended join the batch; the
+    last piece's logits gave each its first token."""
+    req, cls, remaining = filling.advance(pieces)
+    if len(req):
+        batch.join(req, cls, remaining)
+        tally.admitted += len(req)
+
+
+def _alone_ms(run: _Run, pieces: Sequence[Piece]) -> float:
+    """No live request: the pieces alone in the smallest tier's step (plain, no request)."""
+    assert run.ride is not None
+    tiers = getattr(run.policy, "tiers", None)
+    return run.ride.forward_ms(run.cost, 0, min(tiers) if tiers else 0, pieces, verify=False)
+
+
 def _admit(run: _Run, tally: _Tally, n: int) -> None:
     """n requests admitted at once: their first tokens, and their prefill's time if modelled."""
     if n > 0:
@@ -382,6 +476,8 @@ def _result(run: _Run, tally: _Tally) -> SimResult:
         full_seconds=tally.full_ms / 1000.0,
         admitted=tally.admitted,
         prefill_seconds=tally.prefill_ms / 1000.0,
+        end_to_end=run.prefill is not None,
+        ride_steps=tally.ride_steps,
     )
 
 
@@ -390,7 +486,8 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
              seed: int = 0, allocation: SimAllocation = "history", accept_scale: float = 1.0,
              mean_output_tokens: float = 256.0, workload: Workload = "open",
              lengths: Lengths = "geometric", drift: AcceptanceModel | None = None,
-             prior: Sequence[float] | None = None, prefill: PrefillFn | None = None) -> SimResult:
+             prior: Sequence[float] | None = None, prefill: PrefillFn | None = None,
+             ride: Riding | None = None) -> SimResult:
     """Run ``concurrency`` live requests for ``steps`` steps (or until ``requests`` finished).
 
     ``workload``: "open" keeps the batch full (a finished request is replaced at once, a server
@@ -418,6 +515,14 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     engine's schedule; ``spectune.runtime.prefill_plan.prefill_ms``), charged at the start and at every
     refill, apart from the decode steps: ``SimResult.prefill_seconds`` and ``output_tok_s``. The
     decode figures do not include it.
+
+    ``ride`` (mixed prefill, with ``prefill`` for the bursts): an admission that rides
+    (``Riding.rides``) waits while its prompt's pieces ride in the steps (``Riding.pieces``); a
+    step carrying pieces costs ``drafter + Riding.forward_ms`` and is not reported to
+    ``observe_time`` (the engine does not report it either); a request joins the batch after its
+    last piece, so the batch runs below the concurrency while prompts fill. A step of pieces with
+    no live request counts in ``prefill_seconds``; the riding steps count in the decode figures,
+    as the engine's decode time holds them.
     """
     if concurrency < 1:
         raise SpectuneError(f"concurrency must be >= 1, got {concurrency}")
@@ -428,10 +533,12 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
         raise SpectuneError(f"allocation must be history, oracle or uniform, got {allocation!r}")
     if context_len is not None:
         cost = dataclasses.replace(cost, context_len=context_len)
+    if ride is not None and prefill is None:
+        raise SpectuneError("ride needs prefill: a burst above the ride limit takes separate forwards")
     traffic = _Traffic.of(acceptance, drift, accept_scale)
     base = traffic.prior if prior is None else np.asarray(extend_conditional(tuple(prior), traffic.max_k), float)
     run = _Run(cost, traffic, policy_fn, seed, allocation, closed, requests, steps, mean_output_tokens, lengths,
-               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill)
+               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill, ride)
     return _serve(run, concurrency)
 
 
@@ -439,19 +546,35 @@ _NO_COUNTS = np.zeros(1, np.int64)
 
 
 def _serve(run: _Run, concurrency: int) -> SimResult:
-    """The step loop: observe -> plan -> allocate -> verify -> account -> retire and refill."""
-    batch, tally = _start_batch(run, concurrency), _Tally()
-    next_req, pending = len(batch.req), None
-    _admit(run, tally, next_req)
+    """The step loop: observe -> plan -> allocate -> verify -> account -> retire and refill (with
+    mixed prefill: the step carries the filling prompts' next pieces, the requests whose prompt
+    ended join, then retire and admit)."""
+    tally, filling = _Tally(), _Filling()
+    if run.ride is None:
+        batch = _start_batch(run, concurrency)
+        next_req = len(batch.req)
+        _admit(run, tally, next_req)
+    else:  # the first wave rides, or is a burst of separate forwards
+        none = np.zeros(0, np.int64)
+        batch = _Batch(none, none, none, none, np.zeros(0), np.zeros(0))
+        next_req = _arrive(run, tally, batch, filling, 0, concurrency, 0)
+    pending = None
     observe = getattr(run.policy, "observe", None)
     observe_time = getattr(run.policy, "observe_time", None)
     timed: tuple[int, Plan, float] | None = None
     for step in range(run.steps):
+        pieces = run.ride.pieces(filling.done) if run.ride is not None and filling else []
+        b = len(batch.req)
+        if b == 0:  # no live request, prompts filling (mixed prefill): their pieces alone
+            if not pieces:
+                break
+            tally.prefill_ms += _alone_ms(run, pieces)
+            _join(run, tally, batch, filling, pieces)
+            continue
         if pending is not None and observe is not None:
             observe(*pending)
         if timed is not None and observe_time is not None:
             observe_time(*timed)  # the step's time under the served cost model, one step late
-        b = len(batch.req)
         plan = run.policy.plan(b)
         if plan.tier is None or plan.tier < b + plan.verify_budget:
             raise InvalidPolicy(f"batch {b}: no captured tier holds {b + plan.verify_budget} tokens")
@@ -462,11 +585,16 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             rates = _live_rates(run)
             granted = _allocate(run, batch, k, min(plan.verify_budget, b * k), rates)
             accepted, pending = _verify(run, batch, k, granted, rates)
-        timed = (b, plan, _account(run, tally, batch, plan, k, accepted, b == concurrency))
-        refilled = _retire_and_refill(run, tally, batch, next_req, step + 1)
-        _admit(run, tally, refilled - next_req)
-        next_req = refilled
-        if len(batch.req) == 0 or (run.requests is not None and tally.done >= run.requests):
+        ms = _account(run, tally, batch, plan, k, accepted, b == concurrency, pieces)
+        timed = None if pieces else (b, plan, ms)  # a step that carried pieces is not the plan's cost
+        if run.ride is None:
+            refilled = _retire_and_refill(run, tally, batch, next_req, step + 1)
+            _admit(run, tally, refilled - next_req)
+            next_req = refilled
+        else:
+            _join(run, tally, batch, filling, pieces)
+            next_req = _arrive(run, tally, batch, filling, next_req, concurrency, step + 1)
+        if (len(batch.req) == 0 and not filling) or (run.requests is not None and tally.done >= run.requests):
             break
     return _result(run, tally)
 

@@ -32,7 +32,7 @@ from spectune.autotune.simulator import FixedK, PolicyFn, PrefillFn, simulate
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier
-from spectune.runtime.prefill_plan import prefill_ms
+from spectune.runtime.prefill_plan import Riding, prefill_ms
 
 FIXED_ARMS_MAX = 7  # default fixed arms: K = 1..min(max_k, FIXED_ARMS_MAX)
 
@@ -132,25 +132,28 @@ class Predicted:
     k_hist: dict[int, int] = field(default_factory=dict)  # steps per K over all seeds
     full_tok_s: float | None = None  # the steps at the full concurrency only (the bench's full_tok_s)
     output_tok_s: float | None = None  # end to end, prefill included (with a ``prefill`` model)
+    ride_steps: float = 0.0  # decode steps that carried prompt pieces, mean per run (with ``ride``)
+    seconds: float = 0.0  # one run's decode and prefill seconds, mean over the seeds
 
 
 def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], PolicyFn], *,
                 concurrency: int, requests: int, decode_tokens: int, context_len: int, seeds: Sequence[int],
                 drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
-                accept_scale: float = 1.0, prefill: PrefillFn | None = None) -> Predicted:
+                accept_scale: float = 1.0, prefill: PrefillFn | None = None,
+                ride: Riding | None = None) -> Predicted:
     """A closed run of ``requests`` requests of ``decode_tokens`` tokens per seed (module doc);
-    with ``prefill`` (``simulate``'s) also the end-to-end rate."""
+    with ``prefill`` (and ``ride``: mixed prefill; ``simulate``'s) also the end-to-end rate."""
     tokens, seconds, slots, p50, p99 = 0, 0.0, 0, [], []
-    full_tokens, full_seconds, outputs, all_seconds = 0, 0.0, 0, 0.0
+    full_tokens, full_seconds, outputs, all_seconds, ride_steps = 0, 0.0, 0, 0.0, 0
     k_hist: dict[int, int] = {}
     for s in seeds:
         sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
                        steps=1_000_000, requests=requests, seed=s, accept_scale=accept_scale,
                        mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed",
-                       drift=drift, prior=prior, prefill=prefill)
+                       drift=drift, prior=prior, prefill=prefill, ride=ride)
         slots += round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
         outputs, all_seconds = outputs + sim.tokens + sim.admitted, all_seconds + sim.seconds + sim.prefill_seconds
-        tokens, seconds = tokens + sim.tokens, seconds + sim.seconds
+        tokens, seconds, ride_steps = tokens + sim.tokens, seconds + sim.seconds, ride_steps + sim.ride_steps
         full_tokens, full_seconds = full_tokens + sim.full_tokens, full_seconds + sim.full_seconds
         p50.append(sim.itl_p50_ms)
         p99.append(sim.itl_p99_ms)
@@ -160,7 +163,8 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
     return Predicted(rate if math.isfinite(rate) else None, tokens / max(1, slots),
                      sum(p50) / len(p50) if p50 else None, sum(p99) / len(p99) if p99 else None,
                      dict(sorted(k_hist.items())), full_tokens / full_seconds if full_seconds > 0 else None,
-                     outputs / all_seconds if prefill is not None and all_seconds > 0 else None)
+                     outputs / all_seconds if prefill is not None and all_seconds > 0 else None,
+                     ride_steps / max(1, len(seeds)), all_seconds / max(1, len(seeds)))
 
 
 def best_fixed_k(cost: CostModel, acceptance: AcceptanceModel, max_k: int, *, tiers: Sequence[int] | None = None,
@@ -199,6 +203,7 @@ class WhatIf:
     # first seed (the bench's protocol, ``engine.bench.train_online``); else a fresh one per run
     served_cost: CostModel | None = None  # the GPU's step times (default: the table's own cost model)
     prompt_len: int | None = None  # end to end too: each admission's separate prefill forwards
+    ride: Riding | None = None  # mixed prefill (its prompt_len is ``prompt_len``): prompts ride in the steps
 
 
 def served_cost_of(path: str, table: Any) -> CostModel:
@@ -239,7 +244,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                     return FixedK(k)
                 return trained if trained is not None else what.make_planner()
 
-            p = predict_arm(served, what.acceptance, make, prefill=prefill, **work)
+            p = predict_arm(served, what.acceptance, make, prefill=prefill, ride=what.ride, **work)
             here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
                          "output_tok_s": p.output_tok_s,
                          "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,
@@ -250,7 +255,9 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     source = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
     tuned = table.acceptance.get("source") if table.acceptance else None
     return {"rows": rows, "acceptance": source, "tuned_acceptance": tuned, "drift": what.drift is not None,
-            "context_len": planner.cost.context_len, "repeats": what.repeats, "prompt_len": what.prompt_len}
+            "context_len": planner.cost.context_len, "repeats": what.repeats, "prompt_len": what.prompt_len,
+            "mixed_prefill": None if what.ride is None else {"budget": what.ride.budget,
+                                                             "ride_limit": what.ride.ride_limit}}
 
 
 def _trained_planner(what: WhatIf, cost: CostModel, work: dict[str, Any]) -> Any:

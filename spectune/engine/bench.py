@@ -76,11 +76,11 @@ from spectune.kernels.attention import verify_attention_ref
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import allocate_kv_cache, slot_mapping_for, write_kv_ref
 from spectune.runtime.planner import Planner, load
-from spectune.runtime.prefill_plan import prefill_ms
+from spectune.runtime.prefill_plan import RIDE_BUDGET, RIDE_PIECES, Riding, prefill_ms
 from spectune.runtime.table import DTYPES
 
 DEFAULT_REPEATS = 3  # interleaved timed runs per (concurrency, arm)
-DEFAULT_PREFILL_BUDGET = 256  # prompt tokens a step carries with --mixed-prefill
+DEFAULT_PREFILL_BUDGET = RIDE_BUDGET  # prompt tokens a step carries with --mixed-prefill
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ class BenchConfig:
     mixed_prefill: bool = False  # admitted prompts ride in the steps' forwards (engine/mixed.py)
     prefill_budget: int = DEFAULT_PREFILL_BUDGET  # prompt tokens per step with mixed_prefill
     ride_limit: int | None = None  # mixed_prefill: a larger admission takes separate forwards (None: the budget)
+    ride_pieces: int = RIDE_PIECES  # mixed_prefill: prompt pieces one step carries at most
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +315,7 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
                     device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
                     mixed_prefill=config.mixed_prefill, prefill_budget=config.prefill_budget,
-                    ride_limit=config.ride_limit)
+                    ride_limit=config.ride_limit, ride_pieces=config.ride_pieces)
     engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
     rng = np.random.default_rng(config.seed)
     prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
@@ -367,12 +368,14 @@ def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests
         return FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
 
     engine = setup.engine
-    prefill = None if engine.mixed is not None else prefill_ms(  # (riding prompts: not modelled yet)
-        setup.planner.cost, len(setup.requests[0].prompt), engine.prefill_chunk, engine.prefill_tokens)
+    prompt_len = len(setup.requests[0].prompt)
+    prefill = prefill_ms(setup.planner.cost, prompt_len, engine.prefill_chunk, engine.prefill_tokens)
+    ride = None if engine.mixed is None else Riding(prompt_len, engine.mixed.budget, engine.ride_limit,
+                                                    engine.prefill_chunk, engine.mixed.max_pieces)
     return predict_decode(setup.planner.cost, served.acceptance, make_policy, res, speculative=k != 0,
                           concurrency=concurrency, requests=n_requests, context_len=context_len, seed=seed,
                           decode_tokens=setup.requests[0].max_new_tokens - 1, drift=served.drift,
-                          prior=setup.prior, at_measured_accept=at_measured_accept, prefill=prefill)
+                          prior=setup.prior, at_measured_accept=at_measured_accept, prefill=prefill, ride=ride)
 
 
 def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], power: Any,
@@ -533,6 +536,7 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "mixed_prefill": config.mixed_prefill,
         "prefill_budget": config.prefill_budget if config.mixed_prefill else None,
         "ride_limit": setup.engine.ride_limit if config.mixed_prefill else None,
+        "ride_pieces": config.ride_pieces if config.mixed_prefill else None,
     }
 
 

@@ -28,6 +28,7 @@ from spectune.engine.engine import RunResult
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import step_ms
+from spectune.runtime.prefill_plan import Riding
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ SIM_REQUESTS = 128  # simulated requests per prediction at least: the bench's wo
 def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Callable[[], Any], res: RunResult, *,
                    speculative: bool, concurrency: int, requests: int, decode_tokens: int, context_len: int,
                    seed: int, drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
-                   at_measured_accept: bool = True, prefill: Callable[[int], float] | None = None) -> Prediction:
+                   at_measured_accept: bool = True, prefill: Callable[[int], float] | None = None,
+                   ride: Riding | None = None) -> Prediction:
     """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
 
     The simulator plays the bench's workload through ``whatif.predict_arm`` (the code path of
@@ -131,13 +133,16 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     of admissions); over the measured steps it is the cost model's alone.
     ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations).
     ``prefill(n)`` (``runtime.prefill_plan.prefill_ms``: the ms of admitting n requests by separate prefill
-    forwards) adds the end-to-end prediction."""
+    forwards) adds the end-to-end prediction; with ``ride`` (mixed prefill) the admissions that ride
+    are priced in the steps that carry them (``simulate(ride=...)``), and the decode prediction is
+    that run's too (the engine's decode time holds the riding steps)."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
     def run(scale: float, with_prefill: bool = False) -> Predicted:
         return predict_arm(cost, acceptance, make_policy, concurrency=concurrency, requests=requests,
                            decode_tokens=decode_tokens, context_len=context_len, seeds=range(seed, seed + reps),
-                           drift=drift, prior=prior, accept_scale=scale, prefill=prefill if with_prefill else None)
+                           drift=drift, prior=prior, accept_scale=scale,
+                           prefill=prefill if with_prefill or ride is not None else None, ride=ride)
 
     try:
         first = run(1.0, True)

@@ -77,7 +77,7 @@ from spectune.engine.run_log import (
 from spectune.errors import SpectuneError
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.runtime.planner import Plan
-from spectune.runtime.prefill_plan import PREFILL_CHUNK, PREFILL_TOKENS
+from spectune.runtime.prefill_plan import PREFILL_CHUNK, PREFILL_TOKENS, RIDE_PIECES
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepOutput
 
 TRASH_BLOCK = 0  # KV block no request owns: unused block-table entries (and overruns) point here
@@ -162,7 +162,7 @@ class Engine:
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
                  capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, mixed_prefill: bool = False, prefill_budget: int = 256,
-                 ride_limit: int | None = None):
+                 ride_limit: int | None = None, ride_pieces: int = RIDE_PIECES):
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // block_size)
         # mixed prefill: an admission of more prompt tokens than this (nothing else filling) is a
@@ -171,6 +171,7 @@ class Engine:
         for name, value, lo in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("prefill_tokens", prefill_tokens, 1),
                                 ("prefill_budget", prefill_budget, 1), ("ride_limit", self.ride_limit, 1),
+                                ("ride_pieces", ride_pieces, 1),
                                 ("num_blocks", num_blocks, 1 + self.max_blocks)):
             if value < lo:
                 raise EngineError(name, f"must be >= {lo}, got {value}")
@@ -182,7 +183,8 @@ class Engine:
         self.state = EngineState.make(max_batch, self.max_blocks, self.device)
         # mixed prefill: prompt pieces ride in the steps' forwards (mixed.py)
         self.mixed = (MixedPrefill(self.tap, self.state.block_tables, max_rows=max_batch, chunk=prefill_chunk,
-                                   budget=prefill_budget, block_size=block_size, device=self.device)
+                                   budget=prefill_budget, block_size=block_size, device=self.device,
+                                   max_pieces=ride_pieces)
                       if mixed_prefill else None)
         self.pool = GraphPool(self.tap, tiers, max_batch=max_batch, max_k=max_k, device=self.device,
                               block_size=block_size, max_blocks=self.max_blocks, capture=capture,

@@ -16,8 +16,10 @@ frequent; with ``Engine(mixed_prefill=True)`` their prompt pieces join the next 
            decode step); where a piece ends its prompt, its last token's argmax (the request's
            first output) and ``top2_margin`` land at the request's engine row
   host     each step takes, per request still filling (admission order), its next piece of
-           <= ``chunk`` tokens, <= ``budget`` in all (``prefill.next_forward``): a budget that
-           binds leaves later prompts for later steps. A row whose prompt ended joins the batch
+           <= ``chunk`` tokens, <= ``budget`` in all, <= ``max_pieces`` pieces
+           (``prefill.next_forward``; the pieces' attention launch has a program per piece slot,
+           used or not: ``runtime.prefill_plan.RIDE_PIECES``): a budget that binds leaves later
+           prompts for later steps. A row whose prompt ended joins the batch
            at the next step, as after a separate prefill. With no live row the step runs the
            smallest tier with no request (the region alone).
 
@@ -40,6 +42,7 @@ from spectune.engine.run_log import MarginTap
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import PAD_SLOT, slot_mapping_for
 from spectune.kernels.pack import PAD_POSITION, PAD_TOKEN_ID
+from spectune.runtime.prefill_plan import RIDE_PIECES
 
 
 class MixedPrefill:
@@ -47,11 +50,11 @@ class MixedPrefill:
     follow the tier's; ``first`` / ``margins`` are indexed by engine row."""
 
     def __init__(self, tap: MarginTap, block_tables: Tensor, *, max_rows: int, chunk: int, budget: int,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, max_pieces: int = RIDE_PIECES):
         self.tap, self.block_size = tap, block_size
-        self.chunk, self.budget = chunk, budget
+        self.chunk, self.budget, self.max_pieces = chunk, budget, max_pieces
         self.region = PrefillRegion(block_tables, max_rows=max_rows, chunk=chunk, max_tokens=budget,
-                                    device=device)
+                                    device=device, max_pieces=max_pieces)
         self.buckets = self.region.buckets
 
     def clear(self) -> None:
@@ -94,7 +97,7 @@ class MixedPrefill:
     def plan(self, filling: Filling, prompts: Sequence[Sequence[int]]) -> tuple[list[Piece], int]:
         """This step's pieces of the ``filling`` requests (``prompts`` in the same order) and their
         bucket P (0: no piece)."""
-        pieces = next_forward([len(p) for p in prompts], filling.done, self.chunk, self.budget)
+        pieces = next_forward([len(p) for p in prompts], filling.done, self.chunk, self.budget, self.max_pieces)
         return pieces, self.region.bucket(sum(p.length for p in pieces)) if pieces else 0
 
     def load(self, pieces: Sequence[Piece], prompts: Sequence[Sequence[int]], row0: int, ride: int) -> None:

@@ -45,10 +45,12 @@ class PrefillRegion:
     ``take`` only: a graph body may call them."""
 
     def __init__(self, block_tables: Tensor, *, max_rows: int, chunk: int, max_tokens: int,
-                 device: torch.device, buckets: Sequence[int] | None = None):
+                 device: torch.device, buckets: Sequence[int] | None = None, max_pieces: int | None = None):
         self.engine_tables, self.device, self.chunk = block_tables, device, chunk
         self.buckets = sorted(set(buckets or default_buckets(chunk, max_tokens)))
-        self.max_slots = min(max_rows, max_tokens)  # request slots of one forward
+        # request slots of one forward (the attention launch over the pieces has a program per
+        # slot, kv head and query tile, a piece or not): at most ``max_pieces``
+        self.max_slots = min(max_rows, max_tokens, max_pieces or max_tokens)
         self.trash = max_rows  # index of ``first`` that pieces not ending a prompt write
 
         def zeros(n: int, dtype: torch.dtype = torch.int64) -> Tensor:

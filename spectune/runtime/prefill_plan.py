@@ -4,18 +4,29 @@ The engine's separate prefill (``spectune.engine.prefill``) and its mixed prefil
 (``spectune.engine.mixed``) cut prompts with ``schedule`` / ``next_forward``; a forward of n tokens
 replays the graph of the smallest bucket >= n (``default_buckets``). ``prefill_ms`` prices an
 admission of n prompts the same way at a cost model's target step time, for the simulator's end
-to end (``spectune.autotune.simulator.simulate(prefill=...)``). Pure Python: no torch.
+to end (``spectune.autotune.simulator.simulate(prefill=...)``). ``Riding`` describes mixed
+prefill (pieces riding in the decode steps) and ``Riding.forward_ms`` prices a step's forward
+with its pieces (``simulate(ride=...)``). Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spectune.runtime.costs import CostModel
 
 PREFILL_CHUNK = 512  # tokens of one request in one forward (the engine's default)
 PREFILL_TOKENS = 4096  # tokens of one forward (the engine's default)
+RIDE_BUDGET = 256  # prompt tokens one decode step carries under mixed prefill (the bench's default)
+# prompt pieces one decode step carries at most under mixed prefill: the pieces' attention launch is
+# sized statically for its slots (programs = slots x kv heads x query tiles), and a slot without a
+# piece is a program that starts and exits; at 64 slots, 256 prompt tokens (8 query tiles of 128
+# rows) and 36 layers that is ~145 000 empty programs a step. The H200 riding runs took 3.2 ms a
+# riding step (P = 256) and 3.7-5.0 ms (P = 512) more than the cost model prices their tokens at
+# (``benchmarks/predict_e2e.py``), the size of that many empty waves; 16 pieces fill a 256-token
+# budget with 16-token prompts
+RIDE_PIECES = 16
 
 
 @dataclass(frozen=True)
@@ -26,12 +37,15 @@ class Piece:
     last: bool  # the piece ends the prompt
 
 
-def next_forward(prompt_lens: Sequence[int], done: Sequence[int], chunk: int, max_tokens: int) -> list[Piece]:
+def next_forward(prompt_lens: Sequence[int], done: Sequence[int], chunk: int, max_tokens: int,
+                 max_pieces: int | None = None) -> list[Piece]:
     """The pieces of one forward: requests in order, each its next <= ``chunk`` tokens after the
-    ``done`` already cached, <= ``max_tokens`` in all."""
-    room, pieces = max_tokens, []
+    ``done`` already cached, <= ``max_tokens`` in all, at most ``max_pieces`` pieces (None: no cap)."""
+    room, pieces = max_tokens, list[Piece]()
     for i, (n, d) in enumerate(zip(prompt_lens, done, strict=True)):
-        if d >= n or room == 0:
+        if room == 0 or (max_pieces is not None and len(pieces) >= max_pieces):
+            break
+        if d >= n:
             continue
         take = min(chunk, n - d, room)
         pieces.append(Piece(i, d, take, d + take == n))
@@ -92,3 +106,52 @@ def prefill_ms(cost: CostModel, prompt_len: int, chunk: int = PREFILL_CHUNK,
         return memo[n]
 
     return ms
+
+
+@dataclass(frozen=True)
+class Riding:
+    """Mixed prefill as the engine runs it (``Engine(mixed_prefill=True, prefill_budget=budget,
+    ride_limit=limit)``, ``spectune.engine.mixed``): an admission of at most ``ride_limit`` prompt
+    tokens, or any admission while prompts are still filling, waits in a queue; each step's
+    forward carries the queue's next pieces (``next_forward``: <= ``chunk`` tokens a request, <=
+    ``budget`` in all, <= ``max_pieces`` pieces, padded to a bucket of ``default_buckets(chunk,
+    budget)``); a request joins the batch at the step after its last piece, whose logits give its
+    first token. A larger admission (a burst) takes separate prefill forwards."""
+
+    prompt_len: int
+    budget: int = RIDE_BUDGET
+    limit: int | None = None  # the ride limit; None: the budget (the engine's default)
+    chunk: int = PREFILL_CHUNK
+    max_pieces: int = RIDE_PIECES  # pieces one step carries at most
+    buckets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, value in (("prompt_len", self.prompt_len), ("budget", self.budget), ("chunk", self.chunk),
+                            ("limit", 1 if self.limit is None else self.limit), ("max_pieces", self.max_pieces)):
+            if value < 1:
+                raise ValueError(f"Riding.{name} must be >= 1, got {value}")
+        object.__setattr__(self, "buckets", tuple(default_buckets(self.chunk, self.budget)))
+
+    @property
+    def ride_limit(self) -> int:
+        return self.budget if self.limit is None else self.limit
+
+    def rides(self, admitted: int, filling: int) -> bool:
+        """Whether ``admitted`` requests admitted at once, with ``filling`` requests still filling,
+        ride in the steps (else: separate prefill forwards)."""
+        return filling > 0 or admitted * self.prompt_len <= self.ride_limit
+
+    def pieces(self, done: Sequence[int]) -> list[Piece]:
+        """The next step's pieces of the requests filling, ``done`` prompt tokens cached each."""
+        return next_forward([self.prompt_len] * len(done), done, self.chunk, self.budget, self.max_pieces)
+
+    def forward_ms(self, cost: CostModel, batch: int, tier: int, pieces: Sequence[Piece], *, verify: bool) -> float:
+        """Target forward and step overhead of a step of ``batch`` requests padded to ``tier``
+        tokens that carries ``pieces``: the cost model at tier + P tokens (P the pieces' bucket;
+        the weights are read once for both), plus the pieces' KV read at their mean position (as
+        ``prefill_ms``). Without pieces it is the plain step's ``target + overhead``."""
+        tokens = tier + (bucket_for(self.buckets, sum(p.length for p in pieces)) if pieces else 0)
+        ms = cost.target_ms(tokens, batch, verify=verify) + cost.overhead_ms(tokens)
+        if pieces:
+            ms += cost.params.target.kv_ms_per_mtok * sum(p.start + p.length / 2 for p in pieces) / 1e6
+        return ms

@@ -14,6 +14,7 @@ from spectune.autotune.simulator import (
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan
+from spectune.runtime.prefill_plan import Piece, Riding, default_buckets
 from spectune.runtime.table import (
     CostModelParams,
     DrafterCost,
@@ -260,3 +261,93 @@ def test_prefill_is_charged_at_every_admission_apart_from_the_decode_steps():
                                                                            base.seconds, base.steps)
         assert res.output_tok_s == pytest.approx((res.tokens + 10) / (res.seconds + res.prefill_seconds))
         assert base.output_tok_s is None and base.admitted == 10
+
+
+def linear_cost(weight: float = 10.0, per_token: float = 0.5) -> CostModel:
+    """A target step of weight + per_token x tokens ms (no knee, no KV term, no overhead)."""
+    p = CostModelParams(TargetCost(weight, per_token, 1e9, 0.0, 0.0), DrafterCost(0.0, 0.0, 0.0),
+                        OverheadCost(0.0, 0.0), None)
+    return CostModel(p, "autoregressive", 128)
+
+
+RIDE_KW = dict(concurrency=3, steps=100_000, requests=7, mean_output_tokens=5.0, seed=1, workload="closed",
+               lengths="fixed")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_riding_prompts_are_priced_in_the_steps_that_carry_them(k):
+    """Every prompt rides (a ride limit no admission passes): each 8-token prompt is one piece of a
+    budget-8 step, so every forward costs weight + 0.5 x (its tier + its 8 prompt tokens); the
+    steps with no live request count as prefill, the riding ones as decode steps."""
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    ride = Riding(8, budget=8, limit=1 << 20)
+    prefills: list[int] = []
+    res = simulate(cost, acc, FixedK(k), prefill=lambda n: prefills.append(n) or 0.0, ride=ride, **RIDE_KW)
+    assert prefills == []  # nothing took separate forwards
+    assert res.admitted == res.requests_done == 7 and res.tokens == 7 * 5
+    alone = 7 - res.ride_steps  # one prompt a forward: with a live request or alone
+    assert alone >= 1  # the first wave starts with no live request
+    # FixedK(k) without tiers: a step of b requests runs b * (k + 1) tokens
+    decode_ms = sum(n * (10.0 + 0.5 * tier) for tier, n in res.tier_hist.items()) + 0.5 * 8 * res.ride_steps
+    assert res.seconds == pytest.approx(decode_ms / 1000.0)
+    assert res.prefill_seconds == pytest.approx(alone * (10.0 + 0.5 * 8) / 1000.0)
+    assert res.output_tok_s == pytest.approx((res.tokens + 7) / (res.seconds + res.prefill_seconds))
+    # the batch runs below the concurrency while prompts fill
+    assert min(res.tier_hist) < 3 * (k + 1) == max(res.tier_hist)
+
+
+def test_a_ride_limit_below_every_admission_is_the_separate_path():
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    for k in (0, 3):
+        separate = simulate(cost, acc, FixedK(k), prefill=lambda n: 4.0 * n, **RIDE_KW)
+        bursts = simulate(cost, acc, FixedK(k), prefill=lambda n: 4.0 * n, ride=Riding(8, limit=1), **RIDE_KW)
+        assert bursts.ride_steps == 0
+        for field in ("goodput_tok_s", "tokens", "seconds", "steps", "admitted", "prefill_seconds", "k_hist",
+                      "tier_hist", "itl_p99_ms", "mean_accept_len"):
+            assert getattr(bursts, field) == pytest.approx(getattr(separate, field)), field
+
+
+def test_a_step_that_carried_pieces_is_not_timed_for_the_policy():
+    class Timed(FixedK):
+        def __init__(self):
+            super().__init__(1)
+            object.__setattr__(self, "times", [])
+
+        def observe_time(self, batch, plan, ms):
+            self.times.append((batch, plan, ms))
+
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    plain_timed = Timed()
+    plain = simulate(cost, acc, plain_timed, prefill=lambda n: 1.0, **RIDE_KW)
+    riding_timed = Timed()
+    res = simulate(cost, acc, riding_timed, prefill=lambda n: 1.0, ride=Riding(8, budget=8, limit=1 << 20), **RIDE_KW)
+    assert len(plain_timed.times) == plain.steps - 1  # every step, one step late
+    assert res.ride_steps > 0 and len(riding_timed.times) <= res.steps - res.ride_steps
+    for _, plan, ms in riding_timed.times:  # only plain steps' costs: weight + 0.5 x tier
+        assert ms == pytest.approx(10.0 + 0.5 * plan.tier)
+
+
+def test_a_burst_above_the_ride_limit_takes_separate_forwards_then_admissions_ride():
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    prefills: list[int] = []
+    # plain decoding, 7 requests of one length at concurrency 3: waves of 3, 3 and 1 admitted at
+    # once; 3 x 8 = 24 prompt tokens is a burst above 16, the last request's 8 ride
+    res = simulate(cost, acc, FixedK(0), prefill=lambda n: prefills.append(n) or 5.0,
+                   ride=Riding(8, budget=16, limit=16), **RIDE_KW)
+    assert prefills == [3, 3] and res.admitted == 7
+    # ... alone (nothing else is live then): a forward of the 16-token bucket
+    assert res.ride_steps == 0 and res.prefill_seconds == pytest.approx((5.0 + 5.0 + 10.0 + 0.5 * 16) / 1000.0)
+
+
+def test_ride_needs_a_prefill_model_and_checks_its_fields():
+    with pytest.raises(SpectuneError, match="prefill"):
+        simulate(linear_cost(), curve(0.8), FixedK(1), concurrency=2, steps=10, ride=Riding(8))
+    for bad in (dict(prompt_len=0), dict(prompt_len=8, budget=0), dict(prompt_len=8, chunk=0),
+                dict(prompt_len=8, limit=0)):
+        with pytest.raises(ValueError, match="Riding"):
+            Riding(**bad)
+    r = Riding(100, budget=256, chunk=64)
+    assert r.buckets == tuple(default_buckets(64, 256)) and r.ride_limit == 256
+    assert r.rides(2, 0) and not r.rides(3, 0) and r.rides(3, 1)  # anything joins a queue that fills
+    assert r.pieces([0, 0, 0, 90]) == [Piece(0, 0, 64, False), Piece(1, 0, 64, False), Piece(2, 0, 64, False),
+                                       Piece(3, 90, 10, True)]

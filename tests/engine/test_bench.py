@@ -116,6 +116,8 @@ def test_k_runs_codes_the_steps_in_order():
     (["--mixed-prefill", "--prefill-budget", "0"], "--prefill-budget"),
     (["--ride-limit", "64"], "--ride-limit"),  # without --mixed-prefill
     (["--mixed-prefill", "--ride-limit", "0"], "--ride-limit"),
+    (["--ride-pieces", "4"], "--ride-pieces"),  # without --mixed-prefill
+    (["--mixed-prefill", "--ride-pieces", "0"], "--ride-pieces"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, argv, needle):
     policy = write_policy(tmp_path / "policy.yaml")

@@ -40,12 +40,12 @@ def plain(rig):
 RIDE_ALL = 1 << 20  # a ride limit no admission passes: every prompt rides
 
 
-def mixed_engine(rig, budget: int, ride_limit: int | None = RIDE_ALL) -> Engine:
+def mixed_engine(rig, budget: int, ride_limit: int | None = RIDE_ALL, **kw) -> Engine:
     e = rig.engine
     return Engine(rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
                   num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=rig.proposer, kernels=False,
                   prefill_chunk=CHUNK, prefill_tokens=16, mixed_prefill=True, prefill_budget=budget,
-                  ride_limit=ride_limit)
+                  ride_limit=ride_limit, **kw)
 
 
 class StepPieces:
@@ -126,6 +126,33 @@ def test_a_binding_budget_splits_prompts_over_steps(rig, plain):
     wide.run(rig.requests, FixedPolicy(0, wide.tiers), concurrency=4)
     assert max(p.length for s in spy_wide.steps for p in s) == CHUNK  # a 16-token budget: the chunk caps pieces
     assert max(len(s) for s in spy_wide.steps) >= 2  # several prompts in one step
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_a_step_carries_at_most_ride_pieces_pieces(rig, plain, cap):
+    # a 16-token budget takes several short prompts a step (above); capped, at most ``cap`` ride,
+    # the pieces' attention launch has that many slots, and the outputs stay plain greedy's
+    engine = mixed_engine(rig, 16, ride_pieces=cap)
+    assert engine.mixed is not None and engine.mixed.region.max_slots == cap
+    spy = StepPieces(engine)
+    for arm, concurrency in (("plain", 4), ("fixed:2", 3)):
+        load_replay(rig, plain.outputs)
+        res = engine.run(rig.requests, arm_policy(arm, engine.tiers), concurrency=concurrency)
+        check_run(res, plain, rig)
+    riding = [s for s in spy.steps if s]
+    assert riding and max(len(s) for s in riding) == cap
+    with pytest.raises(EngineError, match="ride_pieces"):
+        mixed_engine(rig, 16, ride_pieces=0)
+
+
+def test_next_forward_caps_the_pieces():
+    from spectune.runtime.prefill_plan import next_forward
+
+    lens, done = [4, 3, 9, 2], [0, 3, 0, 0]  # the second prompt is cached: no piece
+    assert [p.index for p in next_forward(lens, done, 8, 100)] == [0, 2, 3]
+    assert [p.index for p in next_forward(lens, done, 8, 100, max_pieces=2)] == [0, 2]
+    assert next_forward(lens, done, 8, 100, max_pieces=2)[1].length == 8  # the chunk still caps a piece
+    assert [(p.index, p.length) for p in next_forward(lens, done, 8, 6, max_pieces=3)] == [(0, 4), (2, 2)]
 
 
 def test_requests_admitted_one_at_a_time_and_done_at_their_first_token(rig):
@@ -294,7 +321,12 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
     for row in data["rows"]:
         assert row["completed"] == 3 and row["mismatches"] == 0
         assert row["prefill_forwards"] == 0 and row["mixed_prefill_tokens"] == 3 * 9
-        assert row["predicted_output_tok_s"] is None  # riding prompts are not in the simulator yet
+        assert row["predicted_output_tok_s"] > 0  # the riding steps in the simulator
+    assert data["header"]["ride_pieces"] == 16
+    assert main([*argv, "--ride-pieces", "1"]) == 0
+    data = json.loads(out.read_text())
+    assert data["header"]["ride_pieces"] == 1
+    assert all(row["completed"] == 3 and row["mismatches"] == 0 for row in data["rows"])
     # the default ride limit is the budget: a 9-token prompt is a burst of its own, prefilled apart
     assert main(argv[:-2]) == 0
     data = json.loads(out.read_text())
