@@ -8,10 +8,11 @@ frequent; with ``Engine(mixed_prefill=True)`` their prompt pieces join the next 
   layout   the forward runs on ``tier + P`` tokens, P a bucket of ``default_buckets(chunk,
            budget)``: the step's packed decode/verify tokens (``total`` of them, a device value),
            the pieces back to back right after them, then padding (no KV slot, zero attention)
-  meta     query slots of the tier's requests, then one per piece (offsets shifted by ``total``,
-           context = the piece's start, the row's block table, slots from the tables); the two
-           groups are also the meta's ``parts``: attention runs one launch for each, so the
-           step's 1..K+1-token rows are not tiled for a piece's length
+  meta     query slots of the tier's requests, then the pieces' (<= ``prefill.SPAN`` tokens a
+           slot; offsets shifted by ``total``, context = the slot's first position, the row's
+           block table, KV slots from the tables); the two groups are also the meta's ``parts``:
+           attention runs one launch for each, so the step's 1..K+1-token rows are not tiled for
+           a piece's length
   outputs  the tier's logits go to the step's accept phase as before (and to ``MarginTap`` on a
            decode step); where a piece ends its prompt, its last token's argmax (the request's
            first output) and ``top2_margin`` land at the request's engine row

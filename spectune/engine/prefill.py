@@ -5,7 +5,12 @@ most ``max_tokens`` tokens; a request adds one piece of at most ``chunk`` tokens
 (later pieces go to later forwards, so each forward sees a request's earlier pieces cached). A
 forward of ``n`` tokens replays the graph of the smallest bucket ``T >= n``: the pieces are packed
 back to back, the ``T - n`` padding tokens write no KV slot (``slot_mapping`` marks them) and the
-unused request slots have no query tokens. Where a piece ends its prompt, the argmax of its last
+unused attention slots have no query tokens. Attention sees each piece as consecutive slots of at
+most ``SPAN`` tokens (slot j of a piece starting at position s: queries s + SPAN j .., context
+s + SPAN j; causal attention over them is the piece's, key for key): the attention launch has a
+program per slot, kv head and query tile, so a bucket's launch is sized by its tokens (<=
+ceil(T / SPAN) + pieces slots of one query tile each) instead of pieces x ``chunk``, and no slot
+reads keys past its own last query. Where a piece ends its prompt, the argmax of its last
 token (the request's first output) and its ``top2_margin`` are written at the row's index in
 ``first`` / ``margins``; other pieces write a trash row.
 
@@ -33,24 +38,28 @@ __all__ = ["Piece", "PrefillGraphs", "PrefillRegion", "default_buckets", "next_f
 
 # target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
 TargetFn = Callable[[Tensor, Tensor, AttnMeta], Tensor]
+# prompt tokens of one attention slot: 32 tokens x G = 4 query heads per kv head (qwen3-8b,
+# llama-3.1-8b) is one 128-row query tile of the attention kernel
+SPAN = 32
 
 
 class PrefillRegion:
     """Static device buffers of one forward's prompt pieces, for ``buckets`` of token counts.
 
-    Per slot (one piece): its query offsets ``cu``, cached length ``ctx``, engine row ``rows``
-    (its block table), the packed index of its last token and ``dest``: the index of ``first`` /
-    ``margins`` where a piece that ends its prompt writes its last token's argmax and
-    ``top2_margin`` (others write the trash index ``outputs``). Device work in ``meta`` and
-    ``take`` only: a graph body may call them."""
+    Per attention slot (<= ``span`` tokens of one piece): its query offsets ``cu``, cached length
+    ``ctx``, engine row ``rows`` (its block table), the packed index of its last token and
+    ``dest``: the index of ``first`` / ``margins`` where the last slot of a piece that ends its
+    prompt writes its last token's argmax and ``top2_margin`` (others write the trash index).
+    A forward holds at most ``max_pieces`` pieces. Device work in ``meta`` and ``take`` only: a
+    graph body may call them."""
 
     def __init__(self, block_tables: Tensor, *, max_rows: int, chunk: int, max_tokens: int,
-                 device: torch.device, buckets: Sequence[int] | None = None, max_pieces: int | None = None):
-        self.engine_tables, self.device, self.chunk = block_tables, device, chunk
+                 device: torch.device, buckets: Sequence[int] | None = None, max_pieces: int | None = None,
+                 span: int | None = None):
+        self.engine_tables, self.device, self.chunk, self.span = block_tables, device, chunk, span or SPAN
         self.buckets = sorted(set(buckets or default_buckets(chunk, max_tokens)))
-        # request slots of one forward (the attention launch over the pieces has a program per
-        # slot, kv head and query tile, a piece or not): at most ``max_pieces``
-        self.max_slots = min(max_rows, max_tokens, max_pieces or max_tokens)
+        self.max_pieces = min(max_rows, max_tokens, max_pieces or max_tokens)  # pieces of one forward
+        self.max_slots = self.slots(self.buckets[-1])
         self.trash = max_rows  # index of ``first`` that pieces not ending a prompt write
 
         def zeros(n: int, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -67,7 +76,9 @@ class PrefillRegion:
         self.margins = torch.zeros(max_rows + 1, 2, dtype=torch.float32, device=device)
 
     def slots(self, bucket: int) -> int:
-        return min(self.max_slots, bucket)
+        """Attention slots of a forward of ``bucket`` tokens: its pieces cut at ``span`` tokens
+        (sum of ceil(L_i / span) <= ceil(bucket / span) + pieces - 1)."""
+        return min(bucket, -(-bucket // self.span) + min(self.max_pieces, bucket) - 1)
 
     def bucket(self, tokens: int) -> int:
         return bucket_for(self.buckets, tokens)
@@ -75,7 +86,8 @@ class PrefillRegion:
     def meta(self, bucket: int) -> AttnMeta:
         """The pieces' attention metadata (block tables gathered from the engine's; no slots)."""
         r = self.slots(bucket)
-        return AttnMeta(cu_seqlens_q=self.cu[: r + 1], context_lens=self.ctx[:r], max_q=min(self.chunk, bucket),
+        return AttnMeta(cu_seqlens_q=self.cu[: r + 1], context_lens=self.ctx[:r],
+                        max_q=min(self.chunk, self.span, bucket),
                         block_tables=self.engine_tables.index_select(0, self.rows[:r]))
 
     def take(self, bucket: int, logits: Tensor, offset: Tensor | None = None) -> None:
@@ -99,23 +111,30 @@ class PrefillRegion:
         """Host -> static buffers without waiting: per piece (tokens, start, engine row, dest or
         None); padding tokens and unused slots after them."""
         r, n = self.slots(bucket), sum(len(t) for t, _, _, _ in pieces)
+        if len(pieces) > self.max_pieces:
+            raise ValueError(f"{len(pieces)} pieces in one forward: at most {self.max_pieces}")
         ids: list[int] = []
         pos: list[int] = []
-        cu, last_rows = [0], []
-        for tokens, start, _, _ in pieces:
+        cu, ctx, rows, last_rows, dest = [0], [], [], [], []
+        for tokens, start, row, d in pieces:
             ids.extend(tokens)
             pos.extend(range(start, start + len(tokens)))
-            cu.append(cu[-1] + len(tokens))
-            last_rows.append(cu[-1] - 1)
-        pad_slots = r - len(pieces)
+            for j in range(0, len(tokens), self.span):  # the piece's attention slots
+                length = min(self.span, len(tokens) - j)
+                cu.append(cu[-1] + length)
+                ctx.append(start + j)
+                rows.append(row)
+                last_rows.append(cu[-1] - 1)
+                dest.append(self.trash if d is None or j + length < len(tokens) else d)
+        pad_slots = r - len(ctx)
         row0 = pieces[0][2] if pieces else 0
         self._load(self.ids, ids + [0] * (bucket - n))
         self._load(self.pos, pos + [0] * (bucket - n))
         self._load(self.cu, cu + [n] * pad_slots)
-        self._load(self.ctx, [start for _, start, _, _ in pieces] + [0] * pad_slots)
-        self._load(self.rows, [row for _, _, row, _ in pieces] + [row0] * pad_slots)
+        self._load(self.ctx, ctx + [0] * pad_slots)
+        self._load(self.rows, rows + [row0] * pad_slots)
         self._load(self.last_rows, last_rows + [0] * pad_slots)
-        self._load(self.dest, [self.trash if d is None else d for _, _, _, d in pieces] + [self.trash] * pad_slots)
+        self._load(self.dest, dest + [self.trash] * pad_slots)
 
     def _load(self, buf: Tensor, values: list[int]) -> None:
         host = torch.tensor(values, dtype=buf.dtype)

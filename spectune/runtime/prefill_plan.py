@@ -19,13 +19,13 @@ from spectune.runtime.costs import CostModel
 PREFILL_CHUNK = 512  # tokens of one request in one forward (the engine's default)
 PREFILL_TOKENS = 4096  # tokens of one forward (the engine's default)
 RIDE_BUDGET = 256  # prompt tokens one decode step carries under mixed prefill (the bench's default)
-# prompt pieces one decode step carries at most under mixed prefill: the pieces' attention launch is
-# sized statically for its slots (programs = slots x kv heads x query tiles), and a slot without a
-# piece is a program that starts and exits; at 64 slots, 256 prompt tokens (8 query tiles of 128
-# rows) and 36 layers that is ~145 000 empty programs a step. The H200 riding runs took 3.2 ms a
+# prompt pieces one decode step carries at most under mixed prefill: the pieces' attention launch
+# is sized statically per bucket, a program per slot (``engine.prefill``: <= 32 prompt tokens a
+# slot, so ceil(P / 32) + pieces - 1 slots) and kv head, used or not. Before the slots and this cap
+# the launch had a slot per engine row, each tiled for the whole chunk: at 64 rows and 256 prompt
+# tokens, ~145 000 empty programs a step over 36 layers; the H200 riding runs took 3.2 ms a
 # riding step (P = 256) and 3.7-5.0 ms (P = 512) more than the cost model prices their tokens at
-# (``benchmarks/predict_e2e.py``), the size of that many empty waves; 16 pieces fill a 256-token
-# budget with 16-token prompts
+# (``benchmarks/predict_e2e.py``). 16 pieces fill a 256-token budget with 16-token prompts
 RIDE_PIECES = 16
 
 

@@ -133,7 +133,7 @@ def test_a_step_carries_at_most_ride_pieces_pieces(rig, plain, cap):
     # a 16-token budget takes several short prompts a step (above); capped, at most ``cap`` ride,
     # the pieces' attention launch has that many slots, and the outputs stay plain greedy's
     engine = mixed_engine(rig, 16, ride_pieces=cap)
-    assert engine.mixed is not None and engine.mixed.region.max_slots == cap
+    assert engine.mixed is not None and engine.mixed.region.max_pieces == cap
     spy = StepPieces(engine)
     for arm, concurrency in (("plain", 4), ("fixed:2", 3)):
         load_replay(rig, plain.outputs)
@@ -143,6 +143,24 @@ def test_a_step_carries_at_most_ride_pieces_pieces(rig, plain, cap):
     assert riding and max(len(s) for s in riding) == cap
     with pytest.raises(EngineError, match="ride_pieces"):
         mixed_engine(rig, 16, ride_pieces=0)
+
+
+@pytest.mark.parametrize("span", [3, 1])
+def test_attention_slots_shorter_than_the_pieces_give_plain_greedy(rig, plain, span, monkeypatch):
+    # each piece's attention as slots of <= span tokens (SPAN is 32, above every piece here)
+    from spectune.engine import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "SPAN", span)
+    engine = mixed_engine(rig, 16)
+    assert engine.mixed is not None and engine.mixed.region.span == span
+    for arm, concurrency in (("plain", 4), ("fixed:2", 3)):
+        load_replay(rig, plain.outputs)
+        res = engine.run(rig.requests, arm_policy(arm, engine.tiers), concurrency=concurrency)
+        check_run(res, plain, rig)
+        assert res.margins[0][0] == pytest.approx(plain.margins[0][0], abs=1e-4)  # the first token's margin
+        if arm == "plain":  # (a verify step records no margins)
+            for got, want in zip(res.margins, plain.margins, strict=True):
+                assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_next_forward_caps_the_pieces():
@@ -166,7 +184,7 @@ def test_requests_admitted_one_at_a_time_and_done_at_their_first_token(rig):
     assert all(t is not None for t in res.ttft_ms)
 
 
-def test_triton_kernels_with_mixed_prefill_give_the_reference_outputs(plain):
+def test_triton_kernels_with_mixed_prefill_give_the_reference_outputs(plain, monkeypatch):
     # the GPU path on CPU (Triton's interpreter): paged Triton attention over the merged metadata
     # (decode slots of query length 1..K+1 and prompt pieces of up to a chunk in one launch) and
     # the Triton pack / allocate / accept kernels, against the torch references' separate prefill
@@ -183,6 +201,16 @@ def test_triton_kernels_with_mixed_prefill_give_the_reference_outputs(plain):
     for k, concurrency in ((0, 3), (3, 4)):
         res = engine.run(kernel_rig.requests, FixedPolicy(k, engine.tiers), concurrency=concurrency)
         check_run(res, plain, kernel_rig)
+    # the pieces' attention in slots of <= 3 tokens through the Triton kernel
+    from spectune.engine import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "SPAN", 3)
+    engine = Engine(kernel_rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
+                    num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=kernel_rig.proposer, kernels=True,
+                    prefill_chunk=CHUNK, mixed_prefill=True, prefill_budget=16, ride_limit=RIDE_ALL)
+    assert engine.mixed is not None and engine.mixed.region.span == 3
+    res = engine.run(kernel_rig.requests, FixedPolicy(3, engine.tiers), concurrency=4)
+    check_run(res, plain, kernel_rig)
 
 
 class Admissions:

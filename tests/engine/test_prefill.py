@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spectune.engine import prefill as prefill_mod
 from spectune.engine.bench import TorchPagedAttention
-from spectune.engine.prefill import PrefillGraphs, default_buckets, schedule
+from spectune.engine.prefill import PrefillGraphs, PrefillRegion, default_buckets, schedule
 from spectune.engine.run_log import top2_margin
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.models.build import build_models
@@ -53,8 +54,10 @@ def uncached_first(target, prompt):
     return int(last.argmax()), top2_margin(last)[0]
 
 
+@pytest.mark.parametrize("span", [32, 3, 1])  # attention slots of <= span tokens (SPAN: 32)
 @pytest.mark.parametrize("chunk,max_tokens,row0", [(4, 8, 0), (5, 16, 1), (64, 64, 0), (3, 7, 2)])
-def test_prefill_pieces_give_the_uncached_first_token_and_fill_the_cache(chunk, max_tokens, row0):
+def test_prefill_pieces_give_the_uncached_first_token_and_fill_the_cache(chunk, max_tokens, row0, span, monkeypatch):
+    monkeypatch.setattr(prefill_mod, "SPAN", span)
     torch.manual_seed(chunk + max_tokens)
     args = ModelArgs.from_name("tiny")
     target = build_models(args, parse_drafter("eagle-1l"), device="cpu", dtype=torch.float32,
@@ -83,6 +86,26 @@ def test_prefill_pieces_give_the_uncached_first_token_and_fill_the_cache(chunk, 
         cached = k0[blocks.long()].reshape(-1, *k0.shape[2:])[:n]
         assert torch.count_nonzero(cached.abs().sum(dim=(1, 2))) == n
         assert torch.count_nonzero(k0[blocks.long()].reshape(-1, *k0.shape[2:])[n:]) == 0
+
+
+def test_pieces_are_cut_into_attention_slots_of_span_tokens():
+    tables = torch.arange(40, dtype=torch.int32).reshape(8, 5)
+    region = PrefillRegion(tables, max_rows=8, chunk=8, max_tokens=16, device=torch.device("cpu"), span=3,
+                           max_pieces=4)
+    assert region.buckets == [16] and region.max_pieces == 4
+    assert region.slots(16) == 6 + 4 - 1  # ceil(16 / 3) + pieces - 1
+    # a 7-token piece from position 0 that ends its prompt, a 4-token piece from position 5 that does not
+    region.load(16, [(list(range(1, 8)), 0, 2, 2), ([9, 9, 9, 9], 5, 3, None)])
+    r, trash = region.slots(16), region.trash
+    assert region.cu[: r + 1].tolist() == [0, 3, 6, 7, 10, 11] + [11] * (r - 5)
+    assert region.ctx[:5].tolist() == [0, 3, 6, 5, 8]  # each slot's cached keys: its first position
+    assert region.rows[:5].tolist() == [2, 2, 2, 3, 3]
+    assert region.last_rows[:5].tolist() == [2, 5, 6, 9, 10]
+    assert region.dest[:r].tolist() == [trash, trash, 2] + [trash] * (r - 3)  # the piece's last slot only
+    meta = region.meta(16)
+    assert meta.max_q == 3 and meta.block_tables.tolist()[:5] == [tables[i].tolist() for i in (2, 2, 2, 3, 3)]
+    with pytest.raises(ValueError, match="at most 4"):
+        region.load(16, [([1], 0, i, None) for i in range(5)])
 
 
 def test_a_forward_larger_than_every_bucket_names_it():
