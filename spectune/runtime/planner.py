@@ -218,6 +218,10 @@ class OnlineState:
     lo: list[float]
     hi: list[float]
     drift: float = 1.0
+    # survival sums of the estimate (``_survival_sums``: a, hi) and of the pessimistic rates per
+    # depth (a on the first ``depth`` positions, lo beyond), made from a/lo/hi when first asked
+    # for after each estimate (``Planner._sums``)
+    sums: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     phi: float = 1.0  # overdispersion of the acceptance counts (1 = binomial)
     rise: float = 0.0  # Page's sums of the blocks' deviations from the estimate (``Planner._page``)
     fall: float = 0.0
@@ -329,6 +333,9 @@ class Planner:
         self._cands: list[list[tuple[Plan, float]]] = [[] for _ in range(self.max_batch + 1)]
         self._fac: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]
         self._model_ms: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]  # (``observe_time``)
+        # per candidate of each batch size, what ``_decide``'s loop reads and never changes:
+        # (plan, model ms, q, r of the budget over b (q capped at max_k), K, calibration factor)
+        self._loop: list[list[tuple[Plan, float, int, int, int, float]]] = [[] for _ in range(self.max_batch + 1)]
         self._blind: list[Plan | None] = [None] * (self.max_batch + 1)  # K = 1 at its full budget
         # batch sizes above the table's range: (drafting step ms, plain step ms, plain tier)
         self._outside_ms: dict[tuple[int, int, int], tuple[float, float, int]] = {}
@@ -347,6 +354,8 @@ class Planner:
                 self._table[b] = Plan(row.k if budget > 0 else 0, budget, tier)
                 self._cands[b] = self._candidates(b, self._table[b])
                 self._fac[b] = {p: _calibration(f_row, b, p.verify_budget) for p, _ in self._cands[b]}
+                self._loop[b] = [(p, ms, *_split_budget(p.verify_budget, b, self.k_hi), p.k, self._fac[b][p])
+                                 for p, ms in self._cands[b]]
                 self._model_ms[b] = dict(self._cands[b])
                 self._blind[b] = next((p for p, _ in self._cands[b] if p.k == 1 and p.verify_budget == b), None)
 
@@ -433,7 +442,7 @@ class Planner:
             ms = self._outside_ms[key] = (step_ms(self.cost, batch_size, k, tier),
                                           step_ms(self.cost, batch_size, 0, plain_tier or tier), plain_tier or tier)
         draft_ms, plain_ms, plain_tier = ms
-        if _tokens(_survival_sums(s.a), batch_size, budget) * plain_ms <= batch_size * draft_ms:
+        if _tokens(self._sums(-1), batch_size, budget) * plain_ms <= batch_size * draft_ms:
             return Plan(0, 0, plain_tier)
         return Plan(k, budget, tier)
 
@@ -537,6 +546,17 @@ class Planner:
         n, m = timed
         w = n / (n + TIME_PRIOR)
         return math.exp(g + w * (m - g)), self._time_err * math.sqrt(TIME_PRIOR / (n + TIME_PRIOR))
+
+    def _sums(self, depth: int) -> tuple[list[float], list[float]]:
+        """Survival sums of the estimate's rates (``depth`` -1), of its upper bounds (-2), or of
+        the pessimistic rates of a shape ``depth`` drafts deep (a on the first ``depth``
+        positions, lo beyond), each made once per estimate."""
+        s = self._s
+        out = s.sums.get(depth)
+        if out is None:
+            rates = s.a if depth == -1 else s.hi if depth == -2 else s.a[:depth] + s.lo[depth:]
+            out = s.sums[depth] = _survival_sums(rates)
+        return out
 
     def _fold(self) -> tuple[list[float], list[float]] | None:
         """Decay the counts by the steps since the last fold and add the block's counts (a block's
@@ -642,6 +662,7 @@ class Planner:
             lows.append(a - e if a > e else 0.0)
             highs.append(a + e if a + e < 1.0 else 1.0)
         s.a, s.lo, s.hi = rates, lows, highs
+        s.sums = {}
         self._regimes()
 
     def _regimes(self) -> None:
@@ -724,7 +745,7 @@ class Planner:
         # pessimistic rates of a deeper shape: the point estimate on the positions the current
         # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
         depth = -(-cur.verify_budget // b)
-        sums = [_survival_sums(r) for r in (s.a[:depth] + s.lo[depth:], s.a, s.hi)]
+        sums = [self._sums(min(depth, self.k_hi)), self._sums(-1), self._sums(-2)]
         # a trial must be able to measure its K: at a small batch its block holds a few drafts,
         # and probes (one step at a time) explore there as before; nor does a K's own correction
         # hold there (a few drafts per block: at batch 1 it cost HumanEval n-gram 0.993 -> 0.971
@@ -749,31 +770,26 @@ class Planner:
         thin = cur.k > 0 and self.evidence < PLAIN_EVIDENCE
         probe: Plan | None = None
         (s_lo, S_lo), (s_mid, S_mid), (s_hi, S_hi) = sums
-        top = len(S_mid) - 1
         probe_g = tok_cur[2] / cur_ms  # a probe must beat the choice if acceptance is high
         probe_k = cur.k + PROBE_STEP  # K climbs a step at a time: a deep probe costs a deep step
-        fac = self._fac[b]
+        fac = self._fac[b]  # (below: ``_tokens`` of the chosen shapes)
         best_ms = probe_ms = cur_ms
         ut = 0.0
         if timed:  # (``_timing`` inlined: a shape not timed takes its pool's offset)
             shapes = s.lt.get(b, {})
             g0, g1 = self._pool_offsets(b)
             f0, f1, u_none = math.exp(g0), math.exp(g1), self._time_err
-        for p, ms in self._cands[b]:  # _tokens inlined: this loop is the controller's host time
+        for p, ms, q, r, k, f_p in self._loop[b]:  # _tokens inlined: this loop is the controller's host time
             if timed:
                 nm = shapes.get(p)
                 if nm is None:
-                    ms *= f1 if p.k else f0
+                    ms *= f1 if k else f0
                     ut = u_none
                 else:
-                    f_t, ut = self._shape_timing(nm, g1 if p.k else g0)
+                    f_t, ut = self._shape_timing(nm, g1 if k else g0)
                     ms *= f_t
-            q, r = divmod(p.verify_budget, b)
-            if q >= top:
-                q, r = top, 0
-            k = p.k
             c, u, n_k = corr[k]
-            c *= fac[p]
+            c *= f_p
             t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
             if k and t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k or not trials):
                 # optimistic: best under the upper bounds (a K measured in a block of its own is
@@ -970,6 +986,13 @@ def _calibration(f: Sequence[float], batch: int, budget: int) -> float:
     if q >= len(f) - 1:
         return f[-1]
     return f[q] + (f[q + 1] - f[q]) * r / batch
+
+
+def _split_budget(budget: int, batch: int, top: int) -> tuple[int, int]:
+    """q, r = divmod(budget, batch), q capped at ``top`` positions (r = 0 there): ``_tokens``'s
+    split, made once per candidate at load."""
+    q, r = divmod(budget, batch)
+    return (top, 0) if q >= top else (q, r)
 
 
 def _survival_sums(rates: Sequence[float]) -> tuple[list[float], list[float]]:
