@@ -28,7 +28,7 @@ from spectune.engine.engine import RunResult
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import step_ms
-from spectune.runtime.prefill_plan import Riding
+from spectune.runtime.prefill_plan import Riding, ride_forward_ms
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def classify_mismatches(outputs: Sequence[Sequence[int]], plain: RunResult, tole
 class Prediction:
     decode_tok_s: float | None  # simulator, the bench's acceptance model
     at_measured_accept: float | None  # simulator, acceptance rescaled to the measured clean length
-    at_measured_steps: float | None  # cost model over the steps that ran (their batch, K, tier)
+    at_measured_steps: float | None  # cost model over the steps that ran (batch, K, tier, riding tokens)
     output_tok_s: float | None = None  # simulator, end to end with separate prefill forwards (``prefill``)
 
 
@@ -157,7 +157,10 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     except SpectuneError:
         return Prediction(None, None, None)
     timed = dataclasses.replace(cost, context_len=context_len)
-    ms = sum(step_ms(timed, b, k, tier) for b, k, tier in res.step_shapes)
+    rides = res.ride_tokens or [0] * len(res.step_shapes)
+    ms = sum(step_ms(timed, b, k, tier) if not ride else
+             timed.drafter_ms(b, k) + ride_forward_ms(timed, b, tier, ride, verify=k > 0)
+             for (b, k, tier), ride in zip(res.step_shapes, rides, strict=True))
     at_steps = res.decode_tokens / ms * 1e3 if ms > 0 and res.decode_tokens else None
     return Prediction(base, at_accept, at_steps, output)
 
@@ -286,6 +289,7 @@ def row_for(arm: str, concurrency: int, res: RunResult, reading: Any, plain: Run
         "itl_ms": sample,
         "ttft_p99_ms": float(np.quantile(ttft, 0.99)) if ttft else None,
         "steps": res.steps,
+        "ride_steps": sum(1 for p in res.ride_tokens if p),  # steps that carried prompt pieces
         "tokens": res.tokens,
         "decode_tokens": res.decode_tokens,
         "seconds": res.seconds,

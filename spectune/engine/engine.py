@@ -333,6 +333,7 @@ class Engine:
                 run.full_spans.append(run.decode_spans[-1])
                 run.full_iterations.add(it)
             run.step_shapes.append((n, plan.k, out.tier))
+            run.ride_tokens.append(ride)
             k_hist[plan.k] = k_hist.get(plan.k, 0) + 1
             tier_hist[out.tier] = tier_hist.get(out.tier, 0) + 1
             it += 1

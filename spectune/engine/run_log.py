@@ -129,6 +129,7 @@ class RunResult:
     itl_clean: list[bool] = field(default_factory=list)  # per itl entry: all its tokens before divergence
     decode_ms: float = 0.0  # time in decode/verify steps (prefill and admission left out)
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per step (batch, K, tier)
+    ride_tokens: list[int] = field(default_factory=list)  # per step: prompt tokens that rode (its bucket)
     full_ms: float = 0.0  # decode time of the steps that ran a full batch (rows == concurrency)
     full_tokens: int = 0  # tokens those steps emitted
     prefill_forwards: int = 0  # separate prefill forwards (none with mixed prefill)
@@ -184,6 +185,7 @@ class RunLog:
     full_iterations: set[int] = field(default_factory=set)  # iterations whose step ran a full batch
     full_spans: list[tuple[int, int]] = field(default_factory=list)  # decode_spans of those steps
     step_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    ride_tokens: list[int] = field(default_factory=list)
     idle_rows: int = 0
     waits: int = 0
     mixed_tokens: int = 0  # prompt tokens that rode in steps' forwards
@@ -254,7 +256,7 @@ class RunLog:
             drafter_calls=drafter_calls, observed=observed, captures=captures, timed_out=timed_out,
             margins=self.margins, top1=self.top1, diverged_at=self.diverged_at, itl_clean=self.itl_clean,
             decode_ms=sum(marks.ms(a, iter_marks[b]) for a, b in self.decode_spans),
-            step_shapes=self.step_shapes,
+            step_shapes=self.step_shapes, ride_tokens=self.ride_tokens,
             full_ms=sum(marks.ms(a, iter_marks[b]) for a, b in self.full_spans),
             full_tokens=sum(n for i, n in self.itl if i in self.full_iterations),
             prefill_forwards=prefill_forwards, mixed_prefill_tokens=self.mixed_tokens,

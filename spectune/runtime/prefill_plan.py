@@ -147,11 +147,20 @@ class Riding:
 
     def forward_ms(self, cost: CostModel, batch: int, tier: int, pieces: Sequence[Piece], *, verify: bool) -> float:
         """Target forward and step overhead of a step of ``batch`` requests padded to ``tier``
-        tokens that carries ``pieces``: the cost model at tier + P tokens (P the pieces' bucket;
-        the weights are read once for both), plus the pieces' KV read at their mean position (as
-        ``prefill_ms``). Without pieces it is the plain step's ``target + overhead``."""
-        tokens = tier + (bucket_for(self.buckets, sum(p.length for p in pieces)) if pieces else 0)
-        ms = cost.target_ms(tokens, batch, verify=verify) + cost.overhead_ms(tokens)
-        if pieces:
-            ms += cost.params.target.kv_ms_per_mtok * sum(p.start + p.length / 2 for p in pieces) / 1e6
-        return ms
+        tokens that carries ``pieces`` (``ride_forward_ms`` at their bucket, with their KV read
+        at their mean position, as ``prefill_ms``)."""
+        if not pieces:
+            return ride_forward_ms(cost, batch, tier, 0, verify=verify)
+        return ride_forward_ms(cost, batch, tier, bucket_for(self.buckets, sum(p.length for p in pieces)),
+                               verify=verify, piece_kv=sum(p.start + p.length / 2 for p in pieces))
+
+
+def ride_forward_ms(cost: CostModel, batch: int, tier: int, ride: int, *, verify: bool,
+                    piece_kv: float = 0.0) -> float:
+    """Target forward and step overhead of a step of ``batch`` requests padded to ``tier`` tokens
+    with ``ride`` prompt tokens after them: the cost model at tier + ride tokens (the weights are
+    read once for both), plus ``piece_kv`` keys read by the pieces (their mean positions summed).
+    With ``ride`` 0 it is the plain step's ``target + overhead``."""
+    tokens = tier + ride
+    ms = cost.target_ms(tokens, batch, verify=verify) + cost.overhead_ms(tokens)
+    return ms + cost.params.target.kv_ms_per_mtok * piece_kv / 1e6 if piece_kv else ms

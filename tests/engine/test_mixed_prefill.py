@@ -163,6 +163,35 @@ def test_attention_slots_shorter_than_the_pieces_give_plain_greedy(rig, plain, s
                 assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_each_step_records_its_riding_tokens_and_the_prediction_prices_them(rig, plain, tmp_path):
+    import dataclasses
+
+    from spectune.engine.bench_accounting import predict_decode
+    from spectune.runtime.planner import step_ms
+    from spectune.runtime.prefill_plan import ride_forward_ms
+
+    engine = mixed_engine(rig, 16)
+    res = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=3)
+    assert len(res.ride_tokens) == len(res.step_shapes) == res.steps
+    assert engine.mixed is not None and all(p == 0 or p in engine.mixed.buckets for p in res.ride_tokens)
+    assert any(res.ride_tokens) and 0 in res.ride_tokens
+    planner = load(write_policy(tmp_path / "policy.yaml"))
+    cost = dataclasses.replace(planner.cost, context_len=40)
+    want = sum(step_ms(cost, b, k, t) if not p else cost.drafter_ms(b, k) + ride_forward_ms(cost, b, t, p, verify=k > 0)
+               for (b, k, t), p in zip(res.step_shapes, res.ride_tokens, strict=True))
+    assert want > sum(step_ms(cost, b, k, t) for b, k, t in res.step_shapes)  # the riding tokens cost
+    got = predict_decode(planner.cost, planner_acceptance(planner), lambda: FixedPolicy(0, engine.tiers), res,
+                         speculative=False, concurrency=3, requests=len(rig.requests), decode_tokens=4,
+                         context_len=40, seed=0, at_measured_accept=False)
+    assert got.at_measured_steps == pytest.approx(res.decode_tokens / want * 1e3)
+
+
+def planner_acceptance(planner):
+    from spectune.autotune.acceptance import AcceptanceModel
+
+    return AcceptanceModel.from_dict(planner.table.acceptance)
+
+
 def test_next_forward_caps_the_pieces():
     from spectune.runtime.prefill_plan import next_forward
 
