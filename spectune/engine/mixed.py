@@ -43,6 +43,7 @@ from spectune.engine.run_log import MarginTap
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.kernels.kv_cache import PAD_SLOT, slot_mapping_for
 from spectune.kernels.pack import PAD_POSITION, PAD_TOKEN_ID
+from spectune.models.logit_rows import logits_at
 from spectune.runtime.prefill_plan import RIDE_PIECES
 
 
@@ -85,10 +86,13 @@ class MixedPrefill:
                         # two attention launches: the step's rows tiled for their 1..K+1 tokens,
                         # the pieces for theirs (one launch tiles every row for the longest piece)
                         parts=(dataclasses.replace(meta, slot_mapping=None), pieces))
-        logits = self.tap.target(merge(input_ids, r.ids[:ride], PAD_TOKEN_ID),
-                                 merge(positions, r.pos[:ride], PAD_POSITION), both)  # [T + P, V]
-        r.take(ride, logits, offset=total)
-        head = logits[:tier]  # the step's rows (those after ``total`` are not read as the step's)
+        # logits of the tier's rows (the step's; those after ``total`` are not read as its) and of
+        # each piece slot's last token, not of every prompt token
+        rows = torch.cat((torch.arange(tier, device=input_ids.device), r.last_rows_at(ride, offset=total)))
+        logits = logits_at(self.tap.target, merge(input_ids, r.ids[:ride], PAD_TOKEN_ID),
+                           merge(positions, r.pos[:ride], PAD_POSITION), both, rows)  # [T + slots, V]
+        r.take(ride, logits[tier:])
+        head = logits[:tier]
         if meta.max_q == 1:  # a decode step: its margins, as MarginTap writes them
             self.tap.record(head)
         return head

@@ -32,12 +32,15 @@ from torch import Tensor
 
 from spectune.engine.run_log import top2_margin
 from spectune.kernels.attention_metadata import AttnMeta
+from spectune.models.logit_rows import logits_at
 from spectune.runtime.prefill_plan import Piece, bucket_for, default_buckets, next_forward, schedule
 
 __all__ = ["Piece", "PrefillGraphs", "PrefillRegion", "default_buckets", "next_forward", "schedule"]
 
 # target forward: (input_ids [T] int64, positions [T] int64, meta) -> logits [T, V]
 TargetFn = Callable[[Tensor, Tensor, AttnMeta], Tensor]
+
+
 # prompt tokens of one attention slot: 32 tokens x G = 4 query heads per kv head (qwen3-8b,
 # llama-3.1-8b) is one 128-row query tile of the attention kernel
 SPAN = 32
@@ -90,12 +93,16 @@ class PrefillRegion:
                         max_q=min(self.chunk, self.span, bucket),
                         block_tables=self.engine_tables.index_select(0, self.rows[:r]))
 
-    def take(self, bucket: int, logits: Tensor, offset: Tensor | None = None) -> None:
-        """``logits`` [>= bucket, V] with the pieces at rows ``offset`` ([1] int64 device value,
-        default 0) on: the prompt-ending ones' outputs to ``dest``."""
+    def last_rows_at(self, bucket: int, offset: Tensor | None = None) -> Tensor:
+        """[slots] the packed row of each slot's last token, shifted by ``offset`` ([1] int64
+        device value: the pieces' first row in the forward)."""
         r = self.slots(bucket)
-        rows = self.last_rows[:r] if offset is None else self.last_rows[:r] + offset
-        last = logits.index_select(0, rows)  # [r, V]
+        return self.last_rows[:r] if offset is None else self.last_rows[:r] + offset
+
+    def take(self, bucket: int, last: Tensor) -> None:
+        """``last`` [slots, V]: the logits at ``last_rows_at``: the prompt-ending pieces' outputs
+        (argmax, ``top2_margin``) to ``dest``."""
+        r = self.slots(bucket)
         self.first.index_copy_(0, self.dest[:r], last.argmax(dim=-1))
         self.margins.index_copy_(0, self.dest[:r], top2_margin(last))
 
@@ -166,8 +173,8 @@ class PrefillGraphs:
 
     def _body(self, bucket: int) -> None:
         r = self.region
-        logits = self.target(r.ids[:bucket], r.pos[:bucket], r.meta(bucket))  # [T, V]
-        r.take(bucket, logits)
+        r.take(bucket, logits_at(self.target, r.ids[:bucket], r.pos[:bucket], r.meta(bucket),
+                                 r.last_rows_at(bucket)))  # [slots, V]
 
     def prepare(self, buckets: Sequence[int] | None = None, warmup: int = 2) -> None:
         """Capture the graphs of ``buckets`` (all by default), largest first, in one memory pool.

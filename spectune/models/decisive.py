@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from spectune.kernels.attention_metadata import AttnMeta
+from spectune.models.logit_rows import logits_at
 
 # odd multipliers of a multiplicative hash; any fixed values do
 _MUL_TOKEN = 0x9E3779B1
@@ -42,8 +43,13 @@ class DecisiveLogits:
     def __init__(self, target: Callable[[Tensor, Tensor, AttnMeta], Tensor]):
         self.target = target
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttnMeta) -> Tensor:
-        logits = self.target(input_ids, positions, meta)  # [T, V]
+    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttnMeta,
+                 logit_rows: Tensor | None = None) -> Tensor:
+        if logit_rows is None:
+            logits = self.target(input_ids, positions, meta)  # [T, V]
+        else:  # [R, V]: the rows' tokens and positions pick their bonus
+            logits = logits_at(self.target, input_ids, positions, meta, logit_rows)
+            input_ids, positions = input_ids.index_select(0, logit_rows), positions.index_select(0, logit_rows)
         bonus = 2.0 * logits.abs().amax(dim=1, keepdim=True) + 1.0  # [T, 1]
         idx = decisive_token(input_ids, positions, logits.shape[1]).unsqueeze(1)  # [T, 1]
         return logits.scatter_add(1, idx, bonus.to(logits.dtype))
