@@ -58,7 +58,9 @@ def edited(tmp_path, fn, name="bad.yaml"):
 @pytest.mark.parametrize("write,needle", [
     (lambda p: p.write_bytes(b"schema: spectune/1\nhardware: {gpu: \xff\xfe}\n"), "not UTF-8"),
     (lambda p: p.write_text("schema: spectune/1\n1: a\nb: c\n"), "keys must be strings"),
-    (lambda p: p.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n"), "not valid YAML"),
+    (lambda p: p.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n"), "nested deeper than 200"),
+    (lambda p: p.write_text("a: " + "{b: " * 300 + "1" + "}" * 300 + "\n"), "nested deeper than 200"),
+    (lambda p: p.write_text("a: [1, 2\n"), "not valid YAML"),
     (lambda p: p.write_text("a: &x [*x]\n"), "unknown key"),
 ])
 def test_unreadable_tables(tmp_path, capsys, write, needle):

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Hashable
@@ -29,6 +30,11 @@ T = TypeVar("T")
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # a profile of the largest study is ~1 MiB; a file past this is not a table (e.g. /dev/zero)
 MAX_FILE_BYTES = 16 * 1024 * 1024
+# flow collections ([..], {..}) nested deeper than this are not a table (a table nests ~6 deep);
+# refused before parsing: libyaml's own limit is not in every build (PyYAML 6.0.3's parsed 5 000
+# levels here), and the constructors recurse
+MAX_FLOW_NESTING = 200
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
 
 def _join(path: str, key: str | int) -> str:
@@ -193,7 +199,13 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
 
 def parse_yaml(text: str, file: str | os.PathLike[str] | None = None) -> Any:
     """``yaml.safe_load`` whose every failure is one TableError (naming ``file``). libyaml's
-    loader when present: ~10x faster, and it refuses nesting deeper than 1000 levels itself."""
+    loader when present (~10x faster); flow collections nested deeper than ``MAX_FLOW_NESTING``
+    are refused first (brackets inside quoted strings count too; a table's strings do not open 200)."""
+    depth = 0
+    for c in _NOT_BRACKETS.sub("", text):
+        depth += 1 if c in "[{" else -1
+        if depth > MAX_FLOW_NESTING:
+            raise TableError("", f"not a spectune table: nested deeper than {MAX_FLOW_NESTING} levels", file)
     try:
         return yaml.load(text, Loader=_SAFE_LOADER)
     except yaml.YAMLError as exc:
