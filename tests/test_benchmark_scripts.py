@@ -556,6 +556,35 @@ def test_attention_q16_refuses_without_a_gpu_and_bad_options(capsys):
         mod.main(["--qs", "0,16"])
 
 
+def test_attention_resources_compiles_for_sm90_without_a_gpu(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    # a process of its own: the test session's kernels may be the interpreter's (TRITON_INTERPRET)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH.parent), env.get("PYTHONPATH", "")])
+    out = tmp_path / "res.json"
+    run = subprocess.run([sys.executable, str(BENCH / "attention_resources.py"), "--configs", "16/64/4/2,64/64/4/2",
+                          "--variants", "shipped,lazy", "--out", str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "regs" in run.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["block_m"]) for r in rows] == [("shipped", 16), ("shipped", 64), ("lazy", 16), ("lazy", 64)]
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] > 0
+        assert 1 <= r["ctas"] == min(r["ctas_by_registers"], r["ctas_by_shared"], r["ctas_by_warps"])
+        assert r["ptx_ops"]["cp.async.cg"] > 0  # the K/V tiles are async 16-byte copies
+    big = {r["kernel"]: r for r in rows if r["block_m"] == 64}
+    assert big["shipped"]["ptx_ops"]["wgmma.mma_async"] > 0  # 64 rows: Hopper's warpgroup MMA
+    mod = load("attention_resources")
+    with pytest.raises(SystemExit, match="--configs"):
+        mod.main(["--configs", "64/64/4"])
+    with pytest.raises(SystemExit, match="--variants"):
+        mod.main(["--variants", "shipped,fast"])
+
+
 def test_predict_e2e_beside_the_h200_runs():
     mod = load("predict_e2e")
     root = BENCH.parent
