@@ -252,11 +252,15 @@ class _Filling:
         length, in order)."""
         for p in pieces:
             self.done[p.index] += p.length
-        ended = {p.index for p in pieces if p.last}
-        out = tuple(np.array([x[j] for j in sorted(ended)], np.int64) for x in (self.req, self.cls, self.remaining))
+        ended = sorted({p.index for p in pieces if p.last})
+
+        def pick(x: list[int]) -> np.ndarray:
+            return np.array([x[j] for j in ended], np.int64)
+
+        out = pick(self.req), pick(self.cls), pick(self.remaining)
         for name in ("req", "cls", "remaining", "done"):
             setattr(self, name, [x for j, x in enumerate(getattr(self, name)) if j not in ended])
-        return out  # type: ignore[return-value]
+        return out
 
 
 @dataclass
