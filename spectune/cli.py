@@ -689,7 +689,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     e2e = args.prompt_len is not None
     print(f"{'conc':>5} {'arm':>9} {'tok/s':>10} {'vs best':>8} {'full':>10} {'vs best':>8} "
           + (f"{'e2e':>10} " if e2e else "") + f"{'ITL p50':>8} {'p99':>8} {'accept':>7}  k_hist   "
-          "(full: the steps at full concurrency" + ("; e2e: with the prefill forwards)" if e2e else ")"))
+          "(full: the steps at full concurrency" + (("; e2e: prompts riding in the steps, bursts by prefill forwards)"
+                                                   if args.mixed_prefill else "; e2e: with the prefill forwards)")
+                                                  if e2e else ")"))
     for r in out["rows"]:
         ratio, full_ratio = (f"{r[key]:.3f}" if r[key] is not None else "-"
                              for key in ("ratio_vs_best_other", "full_ratio_vs_best_other"))
