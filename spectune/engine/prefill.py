@@ -87,7 +87,8 @@ class PrefillRegion:
         return bucket_for(self.buckets, tokens)
 
     def meta(self, bucket: int) -> AttnMeta:
-        """The pieces' attention metadata (block tables gathered from the engine's; no slots)."""
+        """The pieces' attention metadata, one entry per attention slot (block tables gathered from
+        the engine's; no KV slot mapping: the model derives it)."""
         r = self.slots(bucket)
         return AttnMeta(cu_seqlens_q=self.cu[: r + 1], context_lens=self.ctx[:r],
                         max_q=min(self.chunk, self.span, bucket),
