@@ -492,14 +492,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decisive-logits", choices=["auto", "on", "off"], default="auto",
                    help="bias random-weight logits so greedy decisions survive 16-bit rounding "
                         "(auto: on for bfloat16/float16; see docs/BENCH_METHOD.md)")
-    p.add_argument("--mixed-prefill", action="store_true",
-                   help="admitted prompts ride in the decode/verify steps' target forward (chunked prefill "
-                        "inside the step) instead of separate prefill forwards")
-    p.add_argument("--prefill-budget", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
-                   help="prompt tokens one step carries with --mixed-prefill (default 256)")
-    p.add_argument("--ride-limit", type=number(int, 1, BENCH_MAX_TOKENS * 1024), default=None,
-                   help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
-                        "still riding, takes separate prefill forwards (default: the prefill budget)")
+    _add_ride_options(p, BENCH_MAX_TOKENS, BENCH_MAX_TOKENS * 1024,
+                      "admitted prompts ride in the decode/verify steps' target forward (chunked prefill "
+                      "inside the step) instead of separate prefill forwards")
     p.add_argument("--ride-pieces", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
                    help="with --mixed-prefill: prompt pieces one step carries at most (default 16; the "
                         "pieces' attention launch has a program per piece slot)")
@@ -521,12 +516,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
         raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
                          "cache is allocated up front)")
-    if args.prefill_budget is not None and not args.mixed_prefill:
-        raise UsageError("--prefill-budget: only used with --mixed-prefill")
-    if args.ride_limit is not None and not args.mixed_prefill:
-        raise UsageError("--ride-limit: only used with --mixed-prefill")
-    if args.ride_pieces is not None and not args.mixed_prefill:
-        raise UsageError("--ride-pieces: only used with --mixed-prefill")
+    _only_with_mixed(args, "--prefill-budget", "--ride-limit", "--ride-pieces")
     if args.acceptance is not None:  # a bad source fails now, before any model is built
         from spectune.autotune.acceptance import resolve_acceptance
         from spectune.runtime.table import read_table
@@ -612,14 +602,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=number(int, 1, 1 << 17), default=None,
                    help="prompt tokens per request: adds end-to-end tok/s, each admission's separate "
                         "prefill forwards at the table's step time (as `spectune bench` prefills)")
-    p.add_argument("--mixed-prefill", action="store_true",
-                   help="with --prompt-len: prompts ride in the decode steps (`spectune bench --mixed-prefill`), "
-                        "each riding step's target at its tier + prompt tokens")
-    p.add_argument("--prefill-budget", type=number(int, 1, 1 << 17), default=None,
-                   help="prompt tokens one step carries with --mixed-prefill (default 256)")
-    p.add_argument("--ride-limit", type=number(int, 1, 1 << 30), default=None,
-                   help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
-                        "still riding, takes separate prefill forwards (default: the prefill budget)")
+    _add_ride_options(p, 1 << 17, 1 << 30,
+                      "with --prompt-len: prompts ride in the decode steps (`spectune bench --mixed-prefill`), "
+                      "each riding step's target at its tier + prompt tokens")
     p.add_argument("--shared-planner", action="store_true",
                    help="auto: one planner, trained by a first untimed run, serves every seed (what "
                         "`spectune bench` does with --repeats) instead of a fresh planner per run")
@@ -629,6 +614,23 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "controller does where its table's cost model is off")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_simulate)
+
+
+def _add_ride_options(p: argparse.ArgumentParser, budget_max: int, limit_max: int, mixed_help: str) -> None:
+    """--mixed-prefill and its --prefill-budget / --ride-limit (`bench` and `simulate`)."""
+    p.add_argument("--mixed-prefill", action="store_true", help=mixed_help)
+    p.add_argument("--prefill-budget", type=number(int, 1, budget_max), default=None,
+                   help="prompt tokens one step carries with --mixed-prefill (default 256)")
+    p.add_argument("--ride-limit", type=number(int, 1, limit_max), default=None,
+                   help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
+                        "still riding, takes separate prefill forwards (default: the prefill budget)")
+
+
+def _only_with_mixed(args: argparse.Namespace, *options: str) -> None:
+    """Each of ``options`` given without --mixed-prefill is a usage error naming it."""
+    for option in options:
+        if getattr(args, option[2:].replace("-", "_")) is not None and not args.mixed_prefill:
+            raise UsageError(f"{option}: only used with --mixed-prefill")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -652,9 +654,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"{option} must be >= 1, got {value}")
     if args.mixed_prefill and args.prompt_len is None:
         raise UsageError("--mixed-prefill: needs --prompt-len (the prompts that ride)")
-    for option, value in (("--prefill-budget", args.prefill_budget), ("--ride-limit", args.ride_limit)):
-        if value is not None and not args.mixed_prefill:
-            raise UsageError(f"{option}: only used with --mixed-prefill")
+    _only_with_mixed(args, "--prefill-budget", "--ride-limit")
     concurrency = _positive_ints(args.concurrency, "--concurrency")
     arms = parse_arms(args.arms) if args.arms is not None else None
     planner = load(args.policy, on_gpu_mismatch="ignore")

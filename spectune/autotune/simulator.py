@@ -366,7 +366,7 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
     emitted = np.minimum(accepted + 1, batch.remaining)
     if pieces:  # prompt pieces ride in this step's forward
         assert run.ride is not None
-        ms = run.cost.drafter_ms(b, k) + run.ride.forward_ms(run.cost, b, plan.tier, pieces, verify=k > 0)
+        ms = step_ms(run.cost, b, k, plan.tier, *run.ride.carried(pieces))
         tally.ride_steps += 1
     else:
         ms = step_ms(run.cost, b, k, plan.tier)
@@ -450,7 +450,7 @@ def _alone_ms(run: _Run, pieces: Sequence[Piece]) -> float:
     """No live request: the pieces alone in the smallest tier's step (plain, no request)."""
     assert run.ride is not None
     tiers = getattr(run.policy, "tiers", None)
-    return run.ride.forward_ms(run.cost, 0, min(tiers) if tiers else 0, pieces, verify=False)
+    return step_ms(run.cost, 0, 0, min(tiers) if tiers else 0, *run.ride.carried(pieces))
 
 
 def _admit(run: _Run, tally: _Tally, n: int) -> None:
@@ -522,7 +522,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
 
     ``ride`` (mixed prefill, with ``prefill`` for the bursts): an admission that rides
     (``Riding.rides``) waits while its prompt's pieces ride in the steps (``Riding.pieces``); a
-    step carrying pieces costs ``drafter + Riding.forward_ms`` and is not reported to
+    step carrying pieces costs ``step_ms`` with what they carry (``Riding.carried``) and is not reported to
     ``observe_time`` (the engine does not report it either); a request joins the batch after its
     last piece, so the batch runs below the concurrency while prompts fill. A step of pieces with
     no live request counts in ``prefill_seconds``; the riding steps count in the decode figures,

@@ -28,7 +28,7 @@ from spectune.engine.engine import RunResult
 from spectune.errors import SpectuneError
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import step_ms
-from spectune.runtime.prefill_plan import Riding, ride_forward_ms
+from spectune.runtime.prefill_plan import Riding
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,7 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
         return Prediction(None, None, None)
     timed = dataclasses.replace(cost, context_len=context_len)
     rides = res.ride_tokens or [0] * len(res.step_shapes)
-    ms = sum(step_ms(timed, b, k, tier) if not ride else
-             timed.drafter_ms(b, k) + ride_forward_ms(timed, b, tier, ride, verify=k > 0)
-             for (b, k, tier), ride in zip(res.step_shapes, rides, strict=True))
+    ms = sum(step_ms(timed, b, k, tier, p) for (b, k, tier), p in zip(res.step_shapes, rides, strict=True))
     at_steps = res.decode_tokens / ms * 1e3 if ms > 0 and res.decode_tokens else None
     return Prediction(base, at_accept, at_steps, output)
 

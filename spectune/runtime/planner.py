@@ -285,10 +285,15 @@ def row_budget(row: Row, batch: int) -> int:
     return max(0, min(batch * row.k, base))
 
 
-def step_ms(cost: CostModel, batch: int, k: int, tier: int) -> float:
+def step_ms(cost: CostModel, batch: int, k: int, tier: int, ride: int = 0, piece_kv: float = 0.0) -> float:
     """One step as the runtime runs it: drafter(b, K) + target(tier) + overhead(tier); the step
-    pays for its padded tier, and a K = 0 step is plain decoding (no verification KV term)."""
-    return cost.drafter_ms(batch, k) + cost.target_ms(tier, batch, verify=k > 0) + cost.overhead_ms(tier)
+    pays for its padded tier, and a K = 0 step is plain decoding (no verification KV term). With
+    ``ride`` prompt tokens after the tier's (mixed prefill: their bucket) the target and overhead
+    run at tier + ride tokens (the weights are read once for both), plus ``piece_kv`` keys read by
+    the pieces (their mean positions summed: ``prefill_plan.Riding.carried``)."""
+    tokens = tier + ride
+    ms = cost.drafter_ms(batch, k) + cost.target_ms(tokens, batch, verify=k > 0) + cost.overhead_ms(tokens)
+    return ms + cost.params.target.kv_ms_per_mtok * piece_kv / 1e6 if piece_kv else ms
 
 
 def smallest_tier(tiers: Sequence[int], tokens: int) -> int | None:

@@ -5,8 +5,9 @@ The engine's separate prefill (``spectune.engine.prefill``) and its mixed prefil
 replays the graph of the smallest bucket >= n (``default_buckets``). ``prefill_ms`` prices an
 admission of n prompts the same way at a cost model's target step time, for the simulator's end
 to end (``spectune.autotune.simulator.simulate(prefill=...)``). ``Riding`` describes mixed
-prefill (pieces riding in the decode steps) and ``Riding.forward_ms`` prices a step's forward
-with its pieces (``simulate(ride=...)``). Pure Python: no torch.
+prefill (pieces riding in the decode steps), and ``Riding.carried`` what a step's pieces add to
+its forward (``planner.step_ms(..., ride, piece_kv)``; ``simulate(ride=...)``). Pure Python: no
+torch.
 """
 
 from __future__ import annotations
@@ -145,22 +146,11 @@ class Riding:
         """The next step's pieces of the requests filling, ``done`` prompt tokens cached each."""
         return next_forward([self.prompt_len] * len(done), done, self.chunk, self.budget, self.max_pieces)
 
-    def forward_ms(self, cost: CostModel, batch: int, tier: int, pieces: Sequence[Piece], *, verify: bool) -> float:
-        """Target forward and step overhead of a step of ``batch`` requests padded to ``tier``
-        tokens that carries ``pieces`` (``ride_forward_ms`` at their bucket, with their KV read
-        at their mean position, as ``prefill_ms``)."""
+    def carried(self, pieces: Sequence[Piece]) -> tuple[int, float]:
+        """What ``pieces`` add to a step's forward: the tokens of their bucket, and the keys they
+        read at their mean positions, summed (as ``prefill_ms``); (0, 0.0) without pieces. The
+        step's time is ``planner.step_ms(cost, b, K, tier, *carried)``."""
         if not pieces:
-            return ride_forward_ms(cost, batch, tier, 0, verify=verify)
-        return ride_forward_ms(cost, batch, tier, bucket_for(self.buckets, sum(p.length for p in pieces)),
-                               verify=verify, piece_kv=sum(p.start + p.length / 2 for p in pieces))
-
-
-def ride_forward_ms(cost: CostModel, batch: int, tier: int, ride: int, *, verify: bool,
-                    piece_kv: float = 0.0) -> float:
-    """Target forward and step overhead of a step of ``batch`` requests padded to ``tier`` tokens
-    with ``ride`` prompt tokens after them: the cost model at tier + ride tokens (the weights are
-    read once for both), plus ``piece_kv`` keys read by the pieces (their mean positions summed).
-    With ``ride`` 0 it is the plain step's ``target + overhead``."""
-    tokens = tier + ride
-    ms = cost.target_ms(tokens, batch, verify=verify) + cost.overhead_ms(tokens)
-    return ms + cost.params.target.kv_ms_per_mtok * piece_kv / 1e6 if piece_kv else ms
+            return 0, 0.0
+        return (bucket_for(self.buckets, sum(p.length for p in pieces)),
+                float(sum(p.start + p.length / 2 for p in pieces)))

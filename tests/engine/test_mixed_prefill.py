@@ -168,7 +168,6 @@ def test_each_step_records_its_riding_tokens_and_the_prediction_prices_them(rig,
 
     from spectune.engine.bench_accounting import predict_decode
     from spectune.runtime.planner import step_ms
-    from spectune.runtime.prefill_plan import ride_forward_ms
 
     engine = mixed_engine(rig, 16)
     res = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=3)
@@ -177,7 +176,7 @@ def test_each_step_records_its_riding_tokens_and_the_prediction_prices_them(rig,
     assert any(res.ride_tokens) and 0 in res.ride_tokens
     planner = load(write_policy(tmp_path / "policy.yaml"))
     cost = dataclasses.replace(planner.cost, context_len=40)
-    want = sum(step_ms(cost, b, k, t) if not p else cost.drafter_ms(b, k) + ride_forward_ms(cost, b, t, p, verify=k > 0)
+    want = sum(cost.drafter_ms(b, k) + cost.target_ms(t + p, b, verify=k > 0) + cost.overhead_ms(t + p)
                for (b, k, t), p in zip(res.step_shapes, res.ride_tokens, strict=True))
     assert want > sum(step_ms(cost, b, k, t) for b, k, t in res.step_shapes)  # the riding tokens cost
     got = predict_decode(planner.cost, planner_acceptance(planner), lambda: FixedPolicy(0, engine.tiers), res,
