@@ -77,7 +77,7 @@ from spectune.engine.run_log import (
 from spectune.errors import SpectuneError
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.runtime.planner import Plan
-from spectune.runtime.prefill_plan import PREFILL_CHUNK, PREFILL_TOKENS, RIDE_PIECES
+from spectune.runtime.prefill_plan import PREFILL_CHUNK, PREFILL_TOKENS, RIDE_BUDGET, RIDE_PIECES
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepOutput
 
 TRASH_BLOCK = 0  # KV block no request owns: unused block-table entries (and overruns) point here
@@ -161,7 +161,7 @@ class Engine:
                  max_len: int, num_blocks: int, device: torch.device | str, block_size: int = 16,
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
                  capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 prefill_tokens: int = PREFILL_TOKENS, mixed_prefill: bool = False, prefill_budget: int = 256,
+                 prefill_tokens: int = PREFILL_TOKENS, mixed_prefill: bool = False, prefill_budget: int = RIDE_BUDGET,
                  ride_limit: int | None = None, ride_pieces: int = RIDE_PIECES):
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // block_size)
