@@ -2,7 +2,7 @@
 
 Triton compiles a kernel for any NVIDIA target with the ptxas it ships, no driver needed; this
 script compiles the shipped kernel (``spectune.kernels.attention._verify_attn_kernel``) and the
-variants of ``attention_q16.py`` for ``--arch`` (default sm_90, the H200) at each config, with
+variants of ``attention_q16.py`` (``shipped-lazy``: the shipped kernel with ``AttnConfig.lazy``) for ``--arch`` (default sm_90, the H200) at each config, with
 the integer arguments specialized as a launch specializes them (pointers and strides divisible by
 16, except those the kernel marks ``do_not_specialize``), and prints per config: registers per
 thread, dynamic shared memory, local (spill) bytes, the CTAs an SM holds by each of the two and by
@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_q16  # noqa: E402  (its stripped loop and variants)
 
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
+SHIPPED = {"shipped": False, "shipped-lazy": True}  # the shipped kernel, exact or lazy (``AttnConfig.lazy``)
 OPS = ("wgmma.mma_async", "mma.sync", "cp.async.cg", "cp.async.bulk", "ld.global", "ex2.approx")
 
 
@@ -58,9 +59,11 @@ def compile_kernel(fn: Any, types: dict[str, str], constexprs: dict[str, Any], w
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def shipped(block_m: int, block_n: int, warps: int, stages: int, arch: int, split: bool = False) -> Any:
+def shipped(block_m: int, block_n: int, warps: int, stages: int, arch: int, split: bool = False,
+            lazy: bool = False) -> Any:
     consts = {"HEAD_DIM": 128, "BLOCK_SIZE": 16, "CAUSAL": True, "G": 4, "M_TILES": 1, "BLOCK_M": block_m,
-              "BLOCK_N": block_n, "BLOCK_D": 128, "SPLIT": split, "DOT_PRECISION": "tf32", "DOT_F32": False}
+              "BLOCK_N": block_n, "BLOCK_D": 128, "SPLIT": split, "DOT_PRECISION": "tf32", "DOT_F32": False,
+              "LAZY": lazy}
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     ptrs.update({n: "*i32" for n in ("block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr")})
     ptrs.update({n: "*fp32" for n in ("part_o_ptr", "part_lse_ptr")})
@@ -117,28 +120,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     ap.add_argument("--configs", default="16/64/4/2,64/64/4/2,64/64/4/3,64/32/4/3,64/64/8/2")
-    ap.add_argument("--variants", default="shipped,full,lazy,dots,loads")
+    ap.add_argument("--variants", default="shipped,shipped-lazy,full,lazy,dots,loads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     configs = parse_configs(args.configs)
     names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v != "shipped" and v not in attention_q16.VARIANTS]
+    bad = [v for v in names if v not in SHIPPED and v not in attention_q16.VARIANTS]
     if bad:
-        raise SystemExit(f"--variants: unknown {bad}; known shipped, {', '.join(attention_q16.VARIANTS)}")
+        raise SystemExit(f"--variants: unknown {bad}; known {', '.join(SHIPPED)}, {', '.join(attention_q16.VARIANTS)}")
     if not hasattr(_verify_attn_kernel, "cache_key"):  # an interpreted kernel has no compiler path
         print("attention_resources: the kernels run in Triton's interpreter here; unset TRITON_INTERPRET",
               file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = []
-    print(f"{'kernel':<8} {'config':>10} {'regs':>5} {'smem KiB':>8} {'spill':>5} {'CTAs/SM (regs smem warps)':>26}  ptx ops")
+    print(f"{'kernel':<12} {'config':>10} {'regs':>5} {'smem KiB':>8} {'spill':>5} {'CTAs/SM (regs smem warps)':>26}  ptx ops")
     for name in names:
         for bm, bn, w, s in configs:
-            k = shipped(bm, bn, w, s, args.arch) if name == "shipped" else variant(name, bm, bn, w, s, args.arch)
+            k = (shipped(bm, bn, w, s, args.arch, lazy=SHIPPED[name]) if name in SHIPPED
+                 else variant(name, bm, bn, w, s, args.arch))
             r = {"kernel": name, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, **resources(k, w)}
             rows.append(r)
             ops = " ".join(f"{op.split('.')[0] if op != 'mma.sync' else 'mma'}:{n}" for op, n in r["ptx_ops"].items() if n)
-            print(f"{name:<8} {bm}/{bn}/{w}/{s:<3} {r['registers']:>5} {r['shared_bytes'] / 1024:>8.1f} "
+            print(f"{name:<12} {bm}/{bn}/{w}/{s:<3} {r['registers']:>5} {r['shared_bytes'] / 1024:>8.1f} "
                   f"{r['local_bytes']:>5} {r['ctas']:>6} ({r['ctas_by_registers']} {r['ctas_by_shared']} "
                   f"{r['ctas_by_warps']})        {ops}", flush=True)
     if args.out:

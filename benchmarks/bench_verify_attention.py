@@ -418,7 +418,8 @@ def print_table(rows: list[dict], copy: dict[str, float]) -> None:
     for r in rows:
         goal = "" if "meets_goal" not in r else ("ok" if r["meets_goal"] else "MISS")
         c = r["config"]
-        cfg = f"m{r['block_m']}x{r['m_tiles']}/n{c['block_n']}/{c['num_warps']}w/{c['num_stages']}st/s{r['num_splits']}"
+        cfg = (f"m{r['block_m']}x{r['m_tiles']}/n{c['block_n']}/{c['num_warps']}w/{c['num_stages']}st/s{r['num_splits']}"
+               + ("/lazy" if c.get("lazy") else ""))
         print(f"{r['ctx']:>5} {r['batch']:>5} {r['q']:>3} {cfg:>22} "
               f"{r['triton_ms'] * 1e3:>10.1f} {fmt(r['sdpa_gqa_ms'], 9, 1e3)} {fmt(r['folded_ms'], 9, 1e3)} "
               f"{r['triton_gbs']:>6.0f} {r['pct_of_copy']:>6.1f} {r['pct_of_floor']:>6.1f} {r['over_q1']:>5.2f} "

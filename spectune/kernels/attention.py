@@ -16,7 +16,10 @@ per GPU, ``spectune.kernels.attention_configs``), so a step can be captured in a
 
 Inside a program the KV range is walked in two loops: whole blocks every row may see (all keys
 below ``context_len + 1`` in causal mode), with no mask at all, then the one or two tail blocks
-where the causal mask and the range end apply.
+where the causal mask and the range end apply. A config with ``lazy`` set keeps the whole tiles'
+running max until a row's tile max passes it by more than ``LAZY_LOG2`` (log2 units): a tile
+under it skips the rescale of the accumulator and the row sums (the online softmax's per-tile
+ALU work, which the 64-row tiles of 16-token verification pay 64 times per kv head).
 
 ``meta`` is duck-typed (``spectune.kernels.attention_metadata.AttnMeta``): ``cu_seqlens_q [B+1] int32``,
 ``context_lens [B] int32``, ``max_q`` (static int), ``block_tables [B, max_blocks] int32``.
@@ -55,6 +58,8 @@ __all__ = [
 ]
 
 
+LAZY_LOG2 = tl.constexpr(8.0)  # a stale max leaves p <= 2^8: no overflow in fp32, none in bf16's P
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -84,7 +89,7 @@ def _attend_tile(
     stride_kb, stride_ks, stride_vb, stride_vs,
     qk_scale, d, d_ok,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LAZY: tl.constexpr,
 ):
     n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     n_ok = n < kv_hi
@@ -96,18 +101,32 @@ def _attend_tile(
     k = _load_kv_tile(k_base, blk, off, stride_kb, stride_ks, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     # softmax in the log2 domain: exp(x * sm_scale) = exp2(x * qk_scale), qk_scale > 0
-    if MASKED:
-        s = tl.where((n[None, :] < limit[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    if LAZY and not MASKED:
+        # the running max moves only when some row's tile max passes it by more than LAZY_LOG2:
+        # otherwise p = exp2(score - stale max) <= 2^LAZY_LOG2 (exact in fp32, and in bf16 to its
+        # usual relative precision) and acc and l are not rescaled; o = acc / l is the same
+        m_tile = tl.max(s, 1) * qk_scale
+        m_new = m_i
+        if tl.max(m_tile - m_i, 0) > LAZY_LOG2:  # (the first tile always: m_i is -inf there)
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i + tl.sum(p, 1)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = m_new  # every row sees every key of this tile
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            s = tl.where((n[None, :] < limit[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new  # every row sees every key of this tile
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
     v = _load_kv_tile(v_base, blk, off, stride_vb, stride_vs, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
-    acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -145,6 +164,7 @@ def _verify_attn_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for the combine kernel
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
+    LAZY: tl.constexpr,  # whole tiles rescale only past LAZY_LOG2 (``AttnConfig.lazy``)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // M_TILES
@@ -195,12 +215,12 @@ def _verify_attn_kernel(
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
                                      stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
                                      BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, False,
-                                     DOT_PRECISION, DOT_F32)
+                                     DOT_PRECISION, DOT_F32, LAZY)
     for start in range(full_hi, kv_hi, BLOCK_N):  # tail: causal mask and range end
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
                                      stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
                                      BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True,
-                                     DOT_PRECISION, DOT_F32)
+                                     DOT_PRECISION, DOT_F32, False)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT:
@@ -369,7 +389,7 @@ def verify_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAUSAL=causal, G=group, M_TILES=m_tiles,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        DOT_F32=q.device.type != "cuda" and q.dtype == torch.bfloat16, LAZY=bool(cfg.lazy),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

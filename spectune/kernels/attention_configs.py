@@ -60,6 +60,7 @@ class AttnConfig:
     num_stages: int = 2
     block_m: int = AUTO  # query rows per program; AUTO: all G * max_q rows, padded to a power of 2
     num_splits: int = AUTO  # KV splits per (request, kv head); AUTO: choose_num_splits
+    lazy: int = 0  # 1: whole tiles move the running max only past 2^8 (``attention.LAZY_LOG2``)
 
     def __post_init__(self) -> None:
         rules = (
@@ -69,6 +70,7 @@ class AttnConfig:
             ("block_m", self.block_m == AUTO or (_pow2(self.block_m) and MIN_BLOCK_M <= self.block_m
                                                  <= MAX_BLOCK_M), f"0 or a power of 2 in {MIN_BLOCK_M}..{MAX_BLOCK_M}"),
             ("num_splits", 0 <= self.num_splits <= 64, "in 0..64"),
+            ("lazy", self.lazy in (0, 1), "0 or 1"),
         )
         for name, ok, want in rules:
             if not ok or not isinstance(getattr(self, name), int):
@@ -77,7 +79,7 @@ class AttnConfig:
     def short(self) -> str:
         m = f"m{self.block_m}" if self.block_m else "m*"
         s = f"s{self.num_splits}" if self.num_splits else "s*"
-        return f"{m}/n{self.block_n}/{self.num_warps}w/{self.num_stages}st/{s}"
+        return f"{m}/n{self.block_n}/{self.num_warps}w/{self.num_stages}st/{s}" + ("/lazy" if self.lazy else "")
 
 
 INTERPRETER_CONFIG = AttnConfig(block_n=16, num_warps=1, num_stages=1)
@@ -176,7 +178,8 @@ class ConfigTable:
         return {
             "format": TABLE_FORMAT, "device_name": self.device_name, "sm_count": self.sm_count,
             "source": self.source,
-            "configs": [{"head_dim": e.head_dim, "rows": e.rows, "programs": e.programs, **asdict(e.config)}
+            "configs": [{"head_dim": e.head_dim, "rows": e.rows, "programs": e.programs,
+                         **{k: v for k, v in asdict(e.config).items() if k != "lazy" or v}}  # lazy: only when set
                         for e in self.entries],
         }
 
@@ -325,6 +328,9 @@ def candidate_configs(rows: int, head_dim: int, programs: int, max_kv_len: int,
     32-row tiles, which keeps warps along M); stages 2/3/4; splits 1 and the automatic count,
     2 when the GPU holds fewer than 4 waves of programs, twice the automatic count when it splits.
     Dropped: 8 warps on tiles under 64 rows with 32-key blocks (fewer than 8 columns per warp).
+    Tiles of 64 rows and more with 32- or 64-key blocks are also timed with the lazy rescale
+    (``lazy``): with 32-key tiles the MMAs of a 64-row tile cost no more than at 16 rows and
+    the per-tile softmax is the excess (``benchmarks/attention_q16.py``, H200 2026-12-05).
     """
     m = natural_block_m(rows)
     block_ms = [m] + ([64] if m == 32 else []) + ([m // 2] if m >= 64 else [])
@@ -346,6 +352,8 @@ def candidate_configs(rows: int, head_dim: int, programs: int, max_kv_len: int,
                         continue
                     for st in (2, 3, 4):
                         out.append(AttnConfig(bn, w, st, block_m=bm, num_splits=s))
+                        if bm >= 64 and bn <= 64:
+                            out.append(AttnConfig(bn, w, st, block_m=bm, num_splits=s, lazy=1))
     return out
 
 

@@ -132,6 +132,45 @@ def test_unmasked_tiles_end_exactly_at_the_context(ctx, num_splits):
     assert max_rel_err(out[:21], ref[:21]) < 1e-4
 
 
+@pytest.mark.parametrize("q_lens,ctx_lens,heads,head_dim,splits,block_n,seed", [
+    ([16, 16], [130, 97], (8, 2), 32, 1, 16, 11),  # 64-row tiles (q = 16, G = 4), many whole tiles
+    ([16, 3, 9], [200, 64, 31], (8, 2), 32, 2, 32, 12),  # ragged, split KV, 32-key tiles
+    ([1, 8], [90, 150], (4, 1), 64, 3, 16, 13),
+    ([5], [0], (4, 2), 16, 1, 16, 14),  # no whole tile: the masked (exact) tail only
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_rescale_matches_reference(q_lens, ctx_lens, heads, head_dim, splits, block_n, seed, dtype):
+    # the running max of whole tiles moves only past 2^LAZY_LOG2; softmax(QK^T)V is unchanged
+    q, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, n_heads=heads[0], n_kv_heads=heads[1],
+                                          head_dim=head_dim, dtype=dtype, pad=2, seed=seed)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    cfg = AttnConfig(block_n, 1, 1, lazy=1)
+    out = torch.full_like(q, POISON)
+    verify_attention(q, k_cache, v_cache, meta, out=out, num_splits=splits, config=cfg)
+    real = sum(q_lens)
+    assert max_rel_err(out[:real], ref[:real]) < TOL[dtype]
+    assert (out[real:] == 0).all()
+    exact = verify_attention(q, k_cache, v_cache, meta, num_splits=splits, config=AttnConfig(block_n, 1, 1))
+    assert max_rel_err(out[:real], exact[:real]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("boost", [0.0, 3.0, 30.0, 100.0])
+def test_lazy_rescale_with_a_late_large_score(boost):
+    # scores that climb late in the context: a small climb stays under 2^8 (stale max, p > 1),
+    # a large one moves the max mid-loop (the rescale branch; past 2^128 a stale max would
+    # overflow fp32), and each matches the reference
+    q_lens, ctx_lens = [16, 4], [160, 120]
+    q, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, n_heads=8, n_kv_heads=2, head_dim=32, seed=21)
+    for b in range(len(ctx_lens)):  # keys 96..111 of each request point along its queries
+        for pos in range(96, 112):
+            blk, off = meta.block_tables[b, pos // BLOCK_SIZE].item(), pos % BLOCK_SIZE
+            start = meta.cu_seqlens_q[b].item()
+            k_cache[blk, off] += boost * q[start, ::4].float() / q[start, ::4].float().norm(dim=-1, keepdim=True)
+    ref = verify_attention_ref(q, k_cache, v_cache, meta)
+    out = verify_attention(q, k_cache, v_cache, meta, num_splits=1, config=AttnConfig(16, 1, 1, lazy=1))
+    assert max_rel_err(out[:20], ref[:20]) < 1e-4
+
+
 def test_rows_beyond_one_tile():
     # 16 heads per kv head x 17 tokens = 272 rows: more than one 256-row tile
     q, k_cache, v_cache, meta = make_case([17, 2], [5, 20], n_heads=16, n_kv_heads=1, head_dim=16, pad=1)

@@ -41,7 +41,8 @@ def table_dict(**over):
 
 
 @pytest.mark.parametrize("field,value", [("block_n", 48), ("block_n", 8), ("num_warps", 3),
-                                         ("num_stages", 0), ("block_m", 24), ("num_splits", 65)])
+                                         ("num_stages", 0), ("block_m", 24), ("num_splits", 65),
+                                         ("lazy", 2), ("lazy", -1)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ConfigTableError, match=f"^config.{field}:"):
         AttnConfig(**{field: value})
@@ -105,6 +106,10 @@ def test_table_round_trip_and_errors_name_file_and_field(tmp_path):
     assert table.entries[0].config == AttnConfig(32, 4, 2)
     again = table_from_dict(json.loads(table.to_json()), "t2.json")
     assert again == table
+    lazy = table_from_dict(table_dict(configs=[{**table_dict()["configs"][0], "lazy": 1}]), "t3.json")
+    assert lazy.entries[0].config == AttnConfig(32, 4, 2, lazy=1)
+    assert table_from_dict(json.loads(lazy.to_json()), "t4.json") == lazy
+    assert lazy.entries[0].config.short().endswith("/lazy")
     cases = [
         (table_dict(extra=1), "t.json: extra: unknown key"),
         (table_dict(format="v0"), "t.json: format:"),
@@ -116,6 +121,8 @@ def test_table_round_trip_and_errors_name_file_and_field(tmp_path):
                               "num_warps": 4, "num_stages": 2}]), r"configs\[0\]: config.block_n"),
         (table_dict(configs=[{"head_dim": 64, "programs": 8, "block_n": 32, "num_warps": 4,
                               "num_stages": 2}]), r"configs\[0\].rows"),
+        (table_dict(configs=[{"head_dim": 64, "rows": 16, "programs": 8, "block_n": 32,
+                              "num_warps": 4, "num_stages": 2, "lazy": 3}]), r"configs\[0\]: config.lazy"),
     ]
     for data, message in cases:
         with pytest.raises(ConfigTableError, match=message):
@@ -166,7 +173,12 @@ def test_candidates_cover_the_sweep_axes():
     big = candidate_configs(64, 128, 2048, 8208, 132)
     assert {c.block_m for c in big} == {64, 32} and {c.num_splits for c in big} == {1}
     assert len(set(big)) == len(big)
-    assert len(candidate_configs(64, 128, 512, 2064, 132)) == 60  # q = 16 at batch 64: the base loop's grid
+    # q = 16 at batch 64: the base loop's grid (60), and its 64-row tiles of 32 / 64 keys lazy too
+    q16 = candidate_configs(64, 128, 512, 2064, 132)
+    assert len(q16) == 84
+    lazy = [c for c in q16 if c.lazy]
+    assert len(lazy) == 24 and {c.block_m for c in lazy} == {64} and {c.block_n for c in lazy} == {32, 64}
+    assert not any(c.lazy for c in small)
     # the whole sweep grid stays small enough to time in a few minutes
     total = sum(len(candidate_configs(4 * q, 128, 8 * b, ctx + 16, 132))
                 for ctx in (2048, 8192) for b in (16, 64, 256) for q in (1, 2, 4, 8, 16))
