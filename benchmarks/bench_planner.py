@@ -1,12 +1,16 @@
 """CPU microbenchmark of the planner's host time: ``plan()`` alone over every batch size, and a
 server step (``plan`` + ``observe`` of K-position counters + ``observe_time`` of the step's
 measured time, the controller deciding every ``decide_every`` steps) at K = 15 with acceptance
-that shifts, so the controller works, and step times 5 % off the cost model for every other K."""
+that shifts, so the controller works, and step times 5 % off the cost model for every other K;
+at a fixed batch of 32, at a server's batch (a random walk of one step up or down), and at a
+batch that jumps to a new size every step (each step re-decides a stale batch size: the worst
+case of the host time)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -64,6 +68,17 @@ def step_us(planner: Planner, steps: int, batch_sizes: list[int]) -> tuple[float
     return us, len(planner.choices())
 
 
+def served_batches(max_batch: int, steps: int = 4096, seed: int = 0) -> list[int]:
+    """A continuous-batching server's batch sizes: a random walk of -1 / 0 / 0 / +1 a step
+    (a request retires, none or one is admitted) from half the table's range, inside 1..max_batch."""
+    rng = random.Random(seed)
+    b, out = max(1, max_batch // 2), []
+    for _ in range(steps):
+        b = min(max_batch, max(1, b + rng.choice((-1, 0, 0, 1))))
+        out.append(b)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("policy", nargs="?", help="policy YAML (default: a synthetic 256-batch table)")
@@ -80,15 +95,18 @@ def main() -> None:
     steps = max(1000, args.calls // 10)
     fixed_b, fixed_changed = step_us(planner, steps, [min(32, planner.max_batch)])
     var_b, var_changed = step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)])
-    print(f"{'what':<52} {'us':>8}")
-    print(f"{'plan() per call':<52} {us:>8.3f}")
-    print(f"{'plan+observe+observe_time per step, batch 32, K<=15':<52} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
-    print(f"{'plan+observe+observe_time per step, batch varies':<52} {var_b:>8.3f}   ({var_changed} plans moved)")
+    walk_b, walk_changed = step_us(planner, steps, served_batches(planner.max_batch))
+    print(f"{'what':<58} {'us':>8}")
+    print(f"{'plan() per call':<58} {us:>8.3f}")
+    print(f"{'plan+observe+observe_time per step, batch 32, K<=15':<58} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
+    print(f"{'  batch of a server (one step in, one out, +-1 a step)':<58} {walk_b:>8.3f}   ({walk_changed} plans moved)")
+    print(f"{'  batch jumps 37 every step (a new batch size each step)':<58} {var_b:>8.3f}   ({var_changed} plans moved)")
     out = Path(__file__).parent / "results" / "bench_planner.json"
     out.parent.mkdir(exist_ok=True)
     atomic_write_text(out, json.dumps({"calls": args.calls, "us_per_call": us, "max_batch": planner.max_batch,
                                        "max_k": planner.k_hi, "decide_every": planner.online.decide_every,
-                                       "step_us_fixed_batch": fixed_b, "step_us_varying_batch": var_b}, indent=1))
+                                       "step_us_fixed_batch": fixed_b, "step_us_served_batch": walk_b,
+                                       "step_us_varying_batch": var_b}, indent=1))
 
 
 if __name__ == "__main__":
