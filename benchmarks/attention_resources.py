@@ -10,7 +10,7 @@ warps (65 536 registers, 228 KiB of shared memory and 64 warps an SM on sm_90), 
 instruction mix of the PTX (tensor-core ops, async copies, exp2). A static view: how many CTAs
 hide the memory latency, and where the registers go, before a GPU call is spent on timing.
 
-    python benchmarks/attention_resources.py [--arch 90] [--configs 64/64/4/2,16/64/4/2] [--out FILE]
+    python benchmarks/attention_resources.py [--arch 90] [--configs 64/64/4/2,16/64/4/2] [--max-regs N] [--out FILE]
 
 A config is block_m/block_n/num_warps/num_stages; head_dim 128, G = 4 query heads per kv head,
 16-token KV blocks, bf16 (qwen3-8b). Needs Triton's NVIDIA backend (its ptxas and cuobjdump).
@@ -50,17 +50,20 @@ def _types(fn: Any, pointers: dict[str, str], floats: tuple[str, ...], constexpr
 
 
 def compile_kernel(fn: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int,
-                   arch: int) -> Any:
+                   arch: int, max_regs: int = 0) -> Any:
     names = list(types)
     skip = set(getattr(fn, "do_not_specialize", ()) or ())
     div = [n for n in names if types[n].startswith("*") or (n.startswith("stride") and n not in skip)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
     src = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    options: dict[str, Any] = {"num_warps": warps, "num_stages": stages}
+    if max_regs:
+        options["maxnreg"] = max_regs  # as a launch with AttnConfig.max_regs passes it
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def shipped(block_m: int, block_n: int, warps: int, stages: int, arch: int, split: bool = False,
-            lazy: bool = False) -> Any:
+            lazy: bool = False, max_regs: int = 0) -> Any:
     consts = {"HEAD_DIM": 128, "BLOCK_SIZE": 16, "CAUSAL": True, "G": 4, "M_TILES": 1, "BLOCK_M": block_m,
               "BLOCK_N": block_n, "BLOCK_D": 128, "SPLIT": split, "DOT_PRECISION": "tf32", "DOT_F32": False,
               "LAZY": lazy}
@@ -68,7 +71,7 @@ def shipped(block_m: int, block_n: int, warps: int, stages: int, arch: int, spli
     ptrs.update({n: "*i32" for n in ("block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr")})
     ptrs.update({n: "*fp32" for n in ("part_o_ptr", "part_lse_ptr")})
     fn = _verify_attn_kernel
-    return compile_kernel(fn, _types(fn, ptrs, ("qk_scale",), consts), consts, warps, stages, arch)
+    return compile_kernel(fn, _types(fn, ptrs, ("qk_scale",), consts), consts, warps, stages, arch, max_regs)
 
 
 def variant(name: str, block_m: int, block_n: int, warps: int, stages: int, arch: int) -> Any:
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     ap.add_argument("--configs", default="16/64/4/2,64/64/4/2,64/64/4/3,64/32/4/3,64/64/8/2")
     ap.add_argument("--variants", default="shipped,shipped-lazy,full,lazy,dots,loads")
+    ap.add_argument("--max-regs", type=int, default=0,
+                    help="the shipped kernels' register cap (AttnConfig.max_regs; default: the compiler's choice)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     configs = parse_configs(args.configs)
@@ -137,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernel':<12} {'config':>10} {'regs':>5} {'smem KiB':>8} {'spill':>5} {'CTAs/SM (regs smem warps)':>26}  ptx ops")
     for name in names:
         for bm, bn, w, s in configs:
-            k = (shipped(bm, bn, w, s, args.arch, lazy=SHIPPED[name]) if name in SHIPPED
+            k = (shipped(bm, bn, w, s, args.arch, lazy=SHIPPED[name], max_regs=args.max_regs) if name in SHIPPED
                  else variant(name, bm, bn, w, s, args.arch))
-            r = {"kernel": name, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, **resources(k, w)}
+            r = {"kernel": name, "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s,
+                 "max_regs": args.max_regs if name in SHIPPED else 0, **resources(k, w)}
             rows.append(r)
             ops = " ".join(f"{op.split('.')[0] if op != 'mma.sync' else 'mma'}:{n}" for op, n in r["ptx_ops"].items() if n)
             print(f"{name:<12} {bm}/{bn}/{w}/{s:<3} {r['registers']:>5} {r['shared_bytes'] / 1024:>8.1f} "

@@ -390,7 +390,7 @@ def verify_attention(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.device.type != "cuda" and q.dtype == torch.bfloat16, LAZY=bool(cfg.lazy),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs or None,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

@@ -39,6 +39,10 @@ MAX_BLOCK_M = 256  # rows of one query tile; more rows are cut into several tile
 MIN_SPLIT_TOKENS = 128  # a split reads at least this many KV positions
 MAX_SPLITS = 16
 AUTO = 0  # block_m / num_splits value meaning "derive from the step's sizes"
+# a 64 x 32 tile of 4 warps holds 3 CTAs an SM at the 148-160 registers sm_90 gives it, 4 at 128
+# (its 48 KiB of shared memory allow 4), where it compiles without spills (attention_resources.py);
+# the 64 x 64 tile's 80 KiB allow only 2, which is why a cap there (168, 2026-12-02) gained nothing
+CAPPED_REGS = 128
 
 
 class ConfigTableError(SpectuneError):
@@ -61,6 +65,7 @@ class AttnConfig:
     block_m: int = AUTO  # query rows per program; AUTO: all G * max_q rows, padded to a power of 2
     num_splits: int = AUTO  # KV splits per (request, kv head); AUTO: choose_num_splits
     lazy: int = 0  # 1: whole tiles move the running max only past 2^8 (``attention.LAZY_LOG2``)
+    max_regs: int = AUTO  # registers a thread may use (ptx .maxnreg); AUTO: the compiler's choice
 
     def __post_init__(self) -> None:
         rules = (
@@ -71,6 +76,7 @@ class AttnConfig:
                                                  <= MAX_BLOCK_M), f"0 or a power of 2 in {MIN_BLOCK_M}..{MAX_BLOCK_M}"),
             ("num_splits", 0 <= self.num_splits <= 64, "in 0..64"),
             ("lazy", self.lazy in (0, 1), "0 or 1"),
+            ("max_regs", self.max_regs == AUTO or 32 <= self.max_regs <= 255, "0 or in 32..255"),
         )
         for name, ok, want in rules:
             if not ok or not isinstance(getattr(self, name), int):
@@ -79,7 +85,8 @@ class AttnConfig:
     def short(self) -> str:
         m = f"m{self.block_m}" if self.block_m else "m*"
         s = f"s{self.num_splits}" if self.num_splits else "s*"
-        return f"{m}/n{self.block_n}/{self.num_warps}w/{self.num_stages}st/{s}" + ("/lazy" if self.lazy else "")
+        return (f"{m}/n{self.block_n}/{self.num_warps}w/{self.num_stages}st/{s}" + ("/lazy" if self.lazy else "")
+                + (f"/r{self.max_regs}" if self.max_regs else ""))
 
 
 INTERPRETER_CONFIG = AttnConfig(block_n=16, num_warps=1, num_stages=1)
@@ -179,7 +186,7 @@ class ConfigTable:
             "format": TABLE_FORMAT, "device_name": self.device_name, "sm_count": self.sm_count,
             "source": self.source,
             "configs": [{"head_dim": e.head_dim, "rows": e.rows, "programs": e.programs,
-                         **{k: v for k, v in asdict(e.config).items() if k != "lazy" or v}}  # lazy: only when set
+                         **{k: v for k, v in asdict(e.config).items() if k not in OPTIONAL or v}}
                         for e in self.entries],
         }
 
@@ -226,9 +233,10 @@ def rescale_splits(splits: int, bucket_programs: int, programs: int, num_sms: in
 
 
 _ENTRY_KEYS = {"head_dim", "rows", "programs"} | {f.name for f in fields(AttnConfig)}
-# fields of the kernel's former loop variants (removed: they lost to the plain loop on the H200;
-# branch attn16 keeps them); a table naming one is refused with this reason
-_REMOVED_KEYS = {"variant": "the kernel's loop variants were removed", "max_regs": "the register cap was removed"}
+OPTIONAL = ("lazy", "max_regs")  # config fields a table names only when set (older tables lack them)
+# the kernel's former loop variants (removed: they lost to the plain loop on the H200; branch
+# attn16 keeps them); a table naming one is refused with this reason
+_REMOVED_KEYS = {"variant": "the kernel's loop variants were removed"}
 _TABLE_KEYS = {"format", "device_name", "sm_count", "source", "configs"}
 
 
@@ -330,7 +338,8 @@ def candidate_configs(rows: int, head_dim: int, programs: int, max_kv_len: int,
     Dropped: 8 warps on tiles under 64 rows with 32-key blocks (fewer than 8 columns per warp).
     Tiles of 64 rows and more with 32- or 64-key blocks are also timed with the lazy rescale
     (``lazy``): with 32-key tiles the MMAs of a 64-row tile cost no more than at 16 rows and
-    the per-tile softmax is the excess (``benchmarks/attention_q16.py``, H200 2026-12-05).
+    the per-tile softmax is the excess (``benchmarks/attention_q16.py``, H200 2026-12-05); and
+    64 x 32 tiles of 4 warps with ``max_regs = CAPPED_REGS``, exact and lazy.
     """
     m = natural_block_m(rows)
     block_ms = [m] + ([64] if m == 32 else []) + ([m // 2] if m >= 64 else [])
@@ -354,6 +363,9 @@ def candidate_configs(rows: int, head_dim: int, programs: int, max_kv_len: int,
                         out.append(AttnConfig(bn, w, st, block_m=bm, num_splits=s))
                         if bm >= 64 and bn <= 64:
                             out.append(AttnConfig(bn, w, st, block_m=bm, num_splits=s, lazy=1))
+                        if bm == 64 and bn == 32 and w == 4:  # 4 CTAs an SM: see CAPPED_REGS
+                            out += [AttnConfig(bn, w, st, block_m=bm, num_splits=s, lazy=lazy, max_regs=CAPPED_REGS)
+                                    for lazy in (0, 1)]
     return out
 
 

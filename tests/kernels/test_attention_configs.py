@@ -42,7 +42,7 @@ def table_dict(**over):
 
 @pytest.mark.parametrize("field,value", [("block_n", 48), ("block_n", 8), ("num_warps", 3),
                                          ("num_stages", 0), ("block_m", 24), ("num_splits", 65),
-                                         ("lazy", 2), ("lazy", -1)])
+                                         ("lazy", 2), ("lazy", -1), ("max_regs", 16), ("max_regs", 256)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ConfigTableError, match=f"^config.{field}:"):
         AttnConfig(**{field: value})
@@ -174,11 +174,15 @@ def test_candidates_cover_the_sweep_axes():
     assert {c.block_m for c in big} == {64, 32} and {c.num_splits for c in big} == {1}
     assert len(set(big)) == len(big)
     # q = 16 at batch 64: the base loop's grid (60), and its 64-row tiles of 32 / 64 keys lazy too
+    # and 64 x 32 tiles of 4 warps capped at CAPPED_REGS registers (4 CTAs an SM), exact and lazy
     q16 = candidate_configs(64, 128, 512, 2064, 132)
-    assert len(q16) == 84
+    assert len(q16) == 96 and len(set(q16)) == 96
     lazy = [c for c in q16 if c.lazy]
-    assert len(lazy) == 24 and {c.block_m for c in lazy} == {64} and {c.block_n for c in lazy} == {32, 64}
-    assert not any(c.lazy for c in small)
+    assert len(lazy) == 30 and {c.block_m for c in lazy} == {64} and {c.block_n for c in lazy} == {32, 64}
+    capped = [c for c in q16 if c.max_regs]
+    assert len(capped) == 12 and {(c.block_m, c.block_n, c.num_warps, c.max_regs) for c in capped} == {
+        (64, 32, 4, ac.CAPPED_REGS)}
+    assert not any(c.lazy or c.max_regs for c in small)
     # the whole sweep grid stays small enough to time in a few minutes
     total = sum(len(candidate_configs(4 * q, 128, 8 * b, ctx + 16, 132))
                 for ctx in (2048, 8192) for b in (16, 64, 256) for q in (1, 2, 4, 8, 16))
@@ -214,10 +218,23 @@ def test_pick_winners_prefers_the_config_good_at_every_context():
     assert winners == {16: a, 64: b}
 
 
-@pytest.mark.parametrize("field,value", [("variant", "qk_ahead"), ("max_regs", 168)])
+def test_a_register_cap_reads_back_and_a_table_of_one_loads(tmp_path):
+    # the cap is back (4 CTAs an SM for 64 x 32 tiles); a table that names it runs it
+    entry = {"head_dim": 128, "rows": 64, "programs": 512, "block_n": 32, "num_warps": 4, "num_stages": 2,
+             "max_regs": 128, "lazy": 1}
+    path = tmp_path / "capped.json"
+    path.write_text(json.dumps(table_dict(configs=[entry])))
+    cfg = load_table(str(path)).entries[0].config
+    assert (cfg.max_regs, cfg.lazy) == (128, 1) and cfg.short().endswith("/lazy/r128")
+    assert json.loads(load_table(str(path)).to_json())["configs"][0]["max_regs"] == 128
+    plain = table_from_dict(table_dict(), "t.json")
+    assert "max_regs" not in json.loads(plain.to_json())["configs"][0]  # only when set
+
+
+@pytest.mark.parametrize("field,value", [("variant", "qk_ahead")])
 def test_tables_naming_a_removed_loop_field_fail_naming_it(tmp_path, field, value):
-    # the loop variants and the register cap are gone; a table written while they existed (with
-    # one set on an entry) is refused by the field, not read as the plain loop
+    # the loop variants are gone; a table written while they existed (with one set on an entry)
+    # is refused by the field, not read as the plain loop
     entry = {"head_dim": 128, "rows": 64, "programs": 512, "block_n": 32, "num_warps": 4, "num_stages": 2,
              field: value}
     path = tmp_path / "old.json"
