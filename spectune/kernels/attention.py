@@ -101,7 +101,7 @@ def _attend_tile(
     k = _load_kv_tile(k_base, blk, off, stride_kb, stride_ks, d, n_ok, d_ok, MASKED, MASK_D, DOT_F32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     # softmax in the log2 domain: exp(x * sm_scale) = exp2(x * qk_scale), qk_scale > 0
-    if LAZY and not MASKED:
+    if LAZY and not MASKED:  # (masked tiles stay exact: rows may have nothing visible yet)
         # the running max moves only when some row's tile max passes it by more than LAZY_LOG2:
         # otherwise p = exp2(score - stale max) <= 2^LAZY_LOG2 (exact in fp32, and in bf16 to its
         # usual relative precision) and acc and l are not rescaled; o = acc / l is the same
@@ -220,7 +220,7 @@ def _verify_attn_kernel(
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, kv_hi, limit,
                                      stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
                                      BLOCK_SIZE, BLOCK_N, BLOCK_D != HEAD_DIM, True,
-                                     DOT_PRECISION, DOT_F32, False)
+                                     DOT_PRECISION, DOT_F32, LAZY)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT:
