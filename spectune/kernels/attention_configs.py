@@ -121,6 +121,8 @@ def heuristic_config(rows: int, head_dim: int, capability: tuple[int, int] = (9,
             return AttnConfig(64, 4, 2, block_m=64)
         return AttnConfig(32, 2, 3)  # two warps along M, 16 rows each
     if m == 64:
+        if capability >= (9, 0):  # 32-key tiles at CAPPED_REGS: 4 CTAs an SM, the H200 sweep's winner
+            return AttnConfig(32, 4, 2, block_m=64, max_regs=CAPPED_REGS)  # (1.07-1.10x q = 1 at q = 16)
         return AttnConfig(64, 4, 2)
     return AttnConfig(64, 8, 2, block_m=128)  # 128 / 256 rows: 128-row tiles, 8 warps along M
 

@@ -7,6 +7,7 @@ import torch
 from spectune.errors import SpectuneError
 from spectune.kernels import attention_configs as ac
 from spectune.kernels.attention_configs import (
+    CAPPED_REGS,
     INTERPRETER_CONFIG,
     AttnConfig,
     ConfigTable,
@@ -53,7 +54,8 @@ def test_heuristic_follows_the_tile_layout_rules():
     assert heuristic_config(4, 128) == AttnConfig(64, 4, 2)  # one 16-row tile
     assert heuristic_config(32, 128, (9, 0)).block_m == 64  # padded to a wgmma tile on sm_90
     assert heuristic_config(32, 128, (8, 0)) == AttnConfig(32, 2, 3)  # two warps along M elsewhere
-    assert heuristic_config(64, 128) == AttnConfig(64, 4, 2)
+    assert heuristic_config(64, 128) == AttnConfig(32, 4, 2, block_m=64, max_regs=CAPPED_REGS)  # 4 CTAs on sm_90
+    assert heuristic_config(64, 128, (8, 0)) == AttnConfig(64, 4, 2)  # the cap is measured on sm_90 only
     assert heuristic_config(256, 128) == AttnConfig(64, 8, 2, block_m=128)
     assert heuristic_config(16, 256).block_n == 32
 
