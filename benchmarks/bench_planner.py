@@ -92,12 +92,18 @@ def main() -> None:
     for b in sizes:
         plan(b)
     us = (time.perf_counter() - t0) / args.calls * 1e6
+    ride_b = min(32, planner.max_batch)
+    t0 = time.perf_counter()
+    for _ in range(args.calls // 10):
+        planner.plan_ride(ride_b, 256)  # a riding step (mixed prefill): its shape, made once per estimate
+    ride_us = (time.perf_counter() - t0) / (args.calls // 10) * 1e6
     steps = max(1000, args.calls // 10)
     fixed_b, fixed_changed = step_us(planner, steps, [min(32, planner.max_batch)])
     var_b, var_changed = step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)])
     walk_b, walk_changed = step_us(planner, steps, served_batches(planner.max_batch))
     print(f"{'what':<58} {'us':>8}")
     print(f"{'plan() per call':<58} {us:>8.3f}")
+    print(f"{'plan_ride() per call, batch 32, 256 prompt tokens riding':<58} {ride_us:>8.3f}")
     print(f"{'plan+observe+observe_time per step, batch 32, K<=15':<58} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
     print(f"{'  batch of a server (one step in, one out, +-1 a step)':<58} {walk_b:>8.3f}   ({walk_changed} plans moved)")
     print(f"{'  batch jumps 37 every step (a new batch size each step)':<58} {var_b:>8.3f}   ({var_changed} plans moved)")
@@ -106,7 +112,7 @@ def main() -> None:
     atomic_write_text(out, json.dumps({"calls": args.calls, "us_per_call": us, "max_batch": planner.max_batch,
                                        "max_k": planner.k_hi, "decide_every": planner.online.decide_every,
                                        "step_us_fixed_batch": fixed_b, "step_us_served_batch": walk_b,
-                                       "step_us_varying_batch": var_b}, indent=1))
+                                       "step_us_varying_batch": var_b, "plan_ride_us": ride_us}, indent=1))
 
 
 if __name__ == "__main__":

@@ -608,3 +608,19 @@ def test_predict_e2e_beside_the_h200_runs():
     assert riding["ride:256:256", 256, 64, "plain"]["predicted_ride_steps"] == 0  # plain's waves are bursts
     for r in riding.values():
         assert r["predicted_output_tok_s"] > 0 and r["output_error"] is not None
+
+
+def test_sim_ride_aware_compares_riding_shapes_on_the_same_runs(tmp_path, capsys):
+    mod = load("sim_ride_aware")
+    policy = str(BENCH.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml")
+    out = tmp_path / "ride.json"
+    assert mod.main([policy, "--sources", "high-0.9", "--shapes", "p256-all", "--concurrency", "16",
+                     "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert (row["source"], row["shape"], row["concurrency"], row["ride_limit"]) == ("high-0.9", "p256-all", 16, 1 << 20)
+    assert row["plan_ride_over_as_planned"] == pytest.approx(row["e2e_auto_plan_ride"] / row["e2e_auto_as_planned"])
+    # every prompt rides past the knee: riding steps ran smaller K than the choice's own steps
+    assert row["k_hist_plan_ride"] != row["k_hist_as_planned"]
+    assert min(map(int, row["k_hist_plan_ride"])) < min(map(int, row["k_hist_as_planned"]))
+    assert "plan_ride / as planned over 1 cells" in capsys.readouterr().out

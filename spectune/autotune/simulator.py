@@ -565,6 +565,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
     pending = None
     observe = getattr(run.policy, "observe", None)
     observe_time = getattr(run.policy, "observe_time", None)
+    plan_ride = getattr(run.policy, "plan_ride", None)
     timed: tuple[int, Plan, float] | None = None
     for step in range(run.steps):
         pieces = run.ride.pieces(filling.done) if run.ride is not None and filling else []
@@ -579,7 +580,10 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             observe(*pending)
         if timed is not None and observe_time is not None:
             observe_time(*timed)  # the step's time under the served cost model, one step late
-        plan = run.policy.plan(b)
+        # a riding step's shape may differ from the choice (``Planner.plan_ride``: prompt tokens
+        # past the compute knee make verify tokens dearer)
+        plan = (plan_ride(b, run.ride.carried(pieces)[0]) if pieces and plan_ride is not None and run.ride is not None
+                else run.policy.plan(b))
         if plan.tier is None or plan.tier < b + plan.verify_budget:
             raise InvalidPolicy(f"batch {b}: no captured tier holds {b + plan.verify_budget} tokens")
         k = min(plan.k, run.traffic.max_k)

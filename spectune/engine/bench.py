@@ -384,7 +384,9 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
     policy: Policy = arm_policy(arm, engine.tiers, planner)
     k = parse_arm(arm)
     if (concurrency, arm) not in setup.warmed:  # graphs and kernels of this arm's shapes, once
-        ks = [k] if k is not None else sorted({planner.plan(b).k for b in range(1, concurrency + 1)})
+        table_ks = {planner.plan(b).k for b in range(1, concurrency + 1)}
+        # auto: also every smaller K and plain decoding, which a riding step may run (``Planner.plan_ride``)
+        ks = [k] if k is not None else sorted(table_ks | set(range(max(table_ks) + 1)))
         engine.prepare(ks, concurrency)
         warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
         state = planner.snapshot_online()

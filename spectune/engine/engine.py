@@ -16,8 +16,10 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             device time of each earlier step whose end mark has landed (``Event.query``, no
             sync; a step that captured a graph or carried prompt pieces is not reported) ->
             ``policy.observe_time``
-  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); the policy's live
-            ``rates`` (if any) go to a proposer with ``set_rates``
+  plan      ``policy.plan(batch)``: K, verify budget, tier (a host lookup); a step that carries
+            P prompt tokens (mixed prefill) asks ``policy.plan_ride(batch, P)`` where the policy
+            has it (the planner may run a smaller K there); the policy's live ``rates`` (if any)
+            go to a proposer with ``set_rates``
   draft     if K > 0: the proposer's K drafts and confidences (one CUDA graph per (rows, K)); a
             proposer with an ``offered`` row buffer (the replay drafter) caps each row's drafts
             at what it proposed
@@ -96,7 +98,8 @@ class EngineError(SpectuneError):
 
 
 class Policy(Protocol):
-    """``spectune.runtime.planner.Planner`` or any object with ``plan``; ``observe`` optional."""
+    """``spectune.runtime.planner.Planner`` or any object with ``plan``; ``observe``,
+    ``observe_time`` and ``plan_ride`` (a riding step's shape) optional."""
 
     def plan(self, batch_size: int) -> Plan: ...
 
@@ -272,6 +275,7 @@ class Engine:
         self._reset()
         observe = getattr(policy, "observe", None)
         observe_time = getattr(policy, "observe_time", None)
+        plan_ride = getattr(policy, "plan_ride", None)
         timing: deque[tuple[int, int, int, Plan]] = deque()  # steps whose device time is not reported yet
         proposer = self.drafts.proposer
         reset_history = getattr(proposer, "reset_history", None)
@@ -308,11 +312,13 @@ class Engine:
                     observed += 1
             if observe_time is not None:
                 run.timed_steps += _report_times(timing, marks, iter_marks, observe_time)
-            plan = self._checked(policy.plan(n), n)
+            pieces, ride = self._next_ride(run)
+            # a step that carries prompt tokens may run another shape (``Planner.plan_ride``)
+            plan = self._checked(plan_ride(n, ride) if ride and plan_ride is not None else policy.plan(n), n)
             captures_before = self._captures()
             self._share_rates(policy)
             assert plan.tier is not None
-            pieces, ride = self._load_ride(run, plan.tier, plan.k > 0, n)
+            self._load_ride(run, pieces, ride, plan.tier, plan.k > 0, n)
             drafts = conf = k_valid = None
             if plan.k > 0:
                 drafts, conf = self.drafts(n, plan.k)
@@ -483,21 +489,26 @@ class Engine:
 
     # -- mixed prefill: prompt pieces in the steps' forwards (mixed.py) ----------------------------
 
-    def _load_ride(self, run: RunLog, tier: int, verify: bool, n: int) -> tuple[list[Piece], int]:
-        """This step's prompt pieces into the rider (rows n.. are the filling requests'), after
-        its (tier, verify, P) graph is captured; returns the pieces and P (0: none ride)."""
+    def _next_ride(self, run: RunLog) -> tuple[list[Piece], int]:
+        """This step's prompt pieces and their bucket P (0: none ride)."""
         if self.mixed is None or not self.filling:
             return [], 0
-        prompts = [run.requests[rid].prompt for rid in self.filling.rids]
-        pieces, ride = self.mixed.plan(self.filling, prompts)
+        return self.mixed.plan(self.filling, [run.requests[rid].prompt for rid in self.filling.rids])
+
+    def _load_ride(self, run: RunLog, pieces: list[Piece], ride: int, tier: int, verify: bool, n: int) -> None:
+        """The pieces into the rider (rows n.. are the filling requests'), after the step's
+        (tier, verify, P) graph is captured."""
+        if not pieces:
+            return
+        assert self.mixed is not None
         self.pool.prepare_ride(tier, verify, ride)  # before the loads: a capture's warm-up clears them
-        self.mixed.load(pieces, prompts, n, ride)
-        return pieces, ride
+        self.mixed.load(pieces, [run.requests[rid].prompt for rid in self.filling.rids], n, ride)
 
     def _prefill_step(self, run: RunLog, it: int, marks: Marks) -> None:
         """No live row: the prompt pieces alone, in the smallest tier's step with no request."""
         tier = self.tiers[0]
-        pieces, ride = self._load_ride(run, tier, False, 0)
+        pieces, ride = self._next_ride(run)
+        self._load_ride(run, pieces, ride, tier, False, 0)
         self.verifier.step(self.state.last_token, None, None, 0, Plan(0, 0, tier),
                            context_lens=self.state.context_lens, block_tables=self.state.block_tables, ride=ride)
         run.prefill_steps += 1

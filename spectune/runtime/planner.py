@@ -173,6 +173,7 @@ TRIAL_GAP = 0.05  # a shape of another K this close to the choice (point estimat
 TRIAL_STEPS = 16  # ... and is run for this many steps in a row when its K has no counts of its own
 TRIAL_COST = 0.25  # trials cost at most this fraction of the margin (point estimate)
 TRIAL_DRAFTS = 4 * REGIME_SHRINK  # trials run where one block tests at least this many first drafts
+RIDE_MIN_K = 0  # the smallest K a riding step may run (``plan_ride``; 0: plain decoding)
 TIME_PRIOR = 4.0  # pseudo-steps at the all-shapes ratio in one shape's measured-time ratio
 TIME_WINDOW = 64.0  # steps one shape's (and the all-shapes) time ratio averages over, at most
 TIME_ROBUST = 4.0  # steps of a shape after which one step's log ratio is clipped to ...
@@ -248,6 +249,7 @@ class OnlineState:
     rt: list[float] = field(default_factory=list)
     run_k: int = -1
     run_len: int = 0
+    ride_step: bool = False  # the last plan was a riding step's other K (``plan_ride``)
     corr: list[tuple[float, float, float]] = field(default_factory=list)
     trial: list[Plan | None] = field(default_factory=list)
     trial_left: list[int] = field(default_factory=list)
@@ -261,6 +263,9 @@ class OnlineState:
     lg: list[tuple[float, float]] = field(default_factory=lambda: [(0.0, 0.0), (0.0, 0.0)])  # plain, drafting
     lb: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # the same per batch size
     timed: int = 0  # steps timed
+    # shapes of riding steps (``Planner.plan_ride``) per (batch size, prompt tokens, choice), made
+    # once per estimate
+    ride: dict[tuple[int, int, Plan], Plan] = field(default_factory=dict)
 
     def copy(self) -> OnlineState:
         out: dict[str, Any] = {}
@@ -413,6 +418,46 @@ class Planner:
             s.run_k, s.run_len = plan.k, 1
         return plan
 
+    def plan_ride(self, batch_size: int, ride: int) -> Plan:
+        """``plan`` for a step whose forward also carries ``ride`` prompt tokens (mixed prefill:
+        their bucket). The prompt tokens push the step past the compute knee, where each verify
+        token costs more than in the choice's own step, so a riding step may run a smaller K:
+        among the shapes no deeper than the choice (plain decoding too) and in no larger tier, the one that
+        keeps the most tokens after paying for its time at what a millisecond yields at this
+        batch size without the ride (the choice's tokens per ms, point estimate): tokens -
+        value x step ms with the ride. The ride's own cost is the same for every shape and drops
+        out. A trial's or a probe's step is judged the same way against its own shape. A riding
+        step of another K neither extends nor breaks the run of the planned K, and its counters
+        stay out of both K's own counts. The shape per (batch size, ride, plan) is made once per
+        estimate (host time: a dict lookup). Simulated over the held-out sources
+        (``benchmarks/sim_ride_aware.py``): +0..6 % end to end where prompts ride."""
+        plan = self.plan(batch_size)
+        if ride <= 0 or not 0 < batch_size <= self.max_batch or plan.k < 1 or plan.tier is None:
+            return plan
+        s = self._s
+        key = (batch_size, ride, plan)
+        shape = s.ride.get(key)
+        if shape is None:
+            shape = s.ride[key] = self._ride_shape(batch_size, ride, plan)
+        if shape.k != plan.k:  # neither in the run of plan.k nor a run of its own: its counters
+            s.run_len -= 1  # stay out of both K's own counts (``observe``), and the run goes on
+            s.ride_step = True
+        return shape
+
+    def _ride_shape(self, b: int, ride: int, cur: Plan) -> Plan:
+        assert cur.tier is not None
+        sums, fac, cost = self._sums(-1), self._fac[b], self.cost
+        cur_tok = _tokens(sums, b, cur.verify_budget) * fac.get(cur, 1.0)
+        value = cur_tok / self._model_ms[b].get(cur, step_ms(cost, b, cur.k, cur.tier))
+        best, best_net = cur, cur_tok - value * step_ms(cost, b, cur.k, cur.tier, ride)
+        for p, _ in self._cands[b]:
+            if p.k < RIDE_MIN_K or p.k > cur.k or p.tier is None or p.tier > cur.tier or p == cur:
+                continue
+            net = _tokens(sums, b, p.verify_budget) * fac[p] - value * step_ms(cost, b, p.k, p.tier, ride)
+            if net > best_net:
+                best, best_net = p, net
+        return best
+
     def _probe_due(self, every: int) -> bool:
         s = self._s
         if not self.online.probe_every:
@@ -466,7 +511,8 @@ class Planner:
         s.pa = list(map(add, s.pa, acc))
         s.pt = list(map(add, s.pt, off))
         k = s.run_k  # a step well inside a run of K (of the last plans returned, so also with a
-        if s.run_len > REGIME_SETTLE and k > 0 and (s.rk == k or not s.rk):  # copy a step late)
+        ride, s.ride_step = s.ride_step, False  # copy a step late), not a riding step of another K
+        if s.run_len > REGIME_SETTLE and k > 0 and (s.rk == k or not s.rk) and not ride:
             s.rk, s.rq = k, s.rq + 1
         elif k > 0:  # any other step: kept out of the block's K counts (``_fold_regime``)
             s.ra = list(map(add, s.ra, acc)) if s.ra else list(acc)
@@ -668,6 +714,7 @@ class Planner:
             highs.append(a + e if a + e < 1.0 else 1.0)
         s.a, s.lo, s.hi = rates, lows, highs
         s.sums = {}
+        s.ride = {}
         self._regimes()
 
     def _regimes(self) -> None:

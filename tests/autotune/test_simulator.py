@@ -327,6 +327,29 @@ def test_a_step_that_carried_pieces_is_not_timed_for_the_policy():
         assert ms == pytest.approx(10.0 + 0.5 * plan.tier)
 
 
+def test_a_riding_step_takes_the_policys_riding_shape():
+    # a policy with ``plan_ride`` (the planner) is asked for the shape of every step that carries
+    # pieces, with their bucket, and that step runs and is priced at the shape it returns
+    class RidesAtOne(FixedK):
+        def __init__(self):
+            super().__init__(3)
+            object.__setattr__(self, "rides", [])
+
+        def plan_ride(self, batch, ride):
+            self.rides.append((batch, ride))
+            return FixedK(1).plan(batch)
+
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    policy = RidesAtOne()
+    res = simulate(cost, acc, policy, prefill=lambda n: 0.0, ride=Riding(8, budget=8, limit=1 << 20), **RIDE_KW)
+    assert res.ride_steps > 0 and len(policy.rides) == res.ride_steps
+    assert all(ride == 8 for _, ride in policy.rides)  # one 8-token prompt a step, its bucket
+    assert res.k_hist[1] == res.ride_steps and res.k_hist[3] == res.steps - res.ride_steps
+    # priced at the riding shape: a step of b requests at K 1 runs 2b tokens (+ the 8 riding)
+    decode_ms = sum(n * (10.0 + 0.5 * tier) for tier, n in res.tier_hist.items()) + 0.5 * 8 * res.ride_steps
+    assert res.seconds == pytest.approx(decode_ms / 1000.0)
+
+
 def test_a_burst_above_the_ride_limit_takes_separate_forwards_then_admissions_ride():
     cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
     prefills: list[int] = []

@@ -757,3 +757,72 @@ def test_one_block_far_from_the_estimate_fires_the_change_test_alone():
     p.observe(acc, off)
     assert p.changes == 1
 
+
+
+# -- riding steps (mixed prefill): ``plan_ride`` ------------------------------------------------
+
+def ride_table(prior=0.8, compute_ms=0.2):
+    # knee at 24 tokens, 0.2 ms a token past it: 64 prompt tokens put any shape past the knee,
+    # where a verify token costs what ~half a token of the choice's own step yields
+    params = make_params((5.0, 0.01, 24, compute_ms, 20.0), (0.0, 0.4, 0.001), (0.05, 0.0))
+    rows = [Row((1, 8), 4, 32), Row((9, 16), 2, 32)]
+    tiers = [4, 8, 16, 24, 32, 48, 64, 128]
+    return make_profile(params, make_workload(6, 16, target="t", context_len=1024), hardware="NVIDIA H200",
+                        policy=make_policy(tiers, rows, min_k=1, max_k=6, prior=[prior] * 6))
+
+
+def brute_ride(p: Planner, b: int, ride: int) -> Plan:
+    """The shape (plain too), no deeper and in no larger tier than the choice, that keeps the most
+    tokens after paying for its riding step's time at the choice's own tokens per ms."""
+    cur = p._s.choice[b]
+    sums = _survival_sums(p.rates)
+    value = _tokens(sums, b, cur.verify_budget) / step_ms(p.cost, b, cur.k, cur.tier)
+    shapes = [q for q, _ in p._cands[b] if q.k <= cur.k and q.tier <= cur.tier]
+    return max(shapes, key=lambda q: (_tokens(sums, b, q.verify_budget) - value * step_ms(p.cost, b, q.k, q.tier, ride),
+                                      q == cur))
+
+
+def test_a_riding_step_runs_the_k_its_prompt_tokens_leave_worth_running():
+    p = Planner(ride_table())
+    b = 4
+    cur = p.plan(b)
+    assert cur == Plan(4, 16, 24)
+    assert p.plan_ride(b, 0) == p.plan(b) == cur  # nothing rides: the plan itself
+    got = p.plan_ride(b, 64)
+    assert got == brute_ride(p, b, 64)
+    assert 1 <= got.k < cur.k  # the premise: past the knee, the choice's deepest drafts do not pay
+    # alone, the choice is still the best of its step (its tokens per ms are the value used)
+    assert brute_ride(p, b, 0) == cur
+
+
+def test_a_riding_step_is_chosen_again_after_a_new_estimate():
+    p = Planner(ride_table(prior=0.8, compute_ms=0.08))
+    b = 4
+    before = p.plan_ride(b, 64)
+    assert before.k == 3 and p.plan(b).k == 4  # the premise at the prior
+    # every draft accepted for a while: deeper drafts pay even past the knee
+    for _ in range(4 * p.online.decide_every):
+        p.plan(b)
+        p.observe([4.0] * 6, [4.0] * 6)
+    after = p.plan_ride(b, 64)
+    assert after == brute_ride(p, b, 64)
+    assert after.k > before.k
+
+
+def test_a_riding_step_of_another_k_stays_out_of_the_run_and_its_counts():
+    p = Planner(ride_table())
+    b = 4
+    for _ in range(4):  # a settled run of the choice's K, inside one block (``decide_every`` 8)
+        p.plan(b)
+        p.observe([2.0] * 4 + [0.0] * 2, [4.0] * 4 + [0.0] * 2)
+    s = p._s
+    k, run_len, rq = s.run_k, s.run_len, s.rq
+    assert k == 4 and run_len == 4 and rq == 2 and p.online.decide_every == 8
+    shape = p.plan_ride(b, 64)
+    assert shape.k != k
+    assert (s.run_k, s.run_len) == (k, run_len)  # neither extended nor broken
+    p.observe([2.0] * shape.k + [0.0] * (6 - shape.k), [4.0] * shape.k + [0.0] * (6 - shape.k))
+    assert s.rq == rq  # its counters are not the choice's own
+    p.plan(b)
+    p.observe([2.0] * 4 + [0.0] * 2, [4.0] * 4 + [0.0] * 2)
+    assert (s.run_k, s.run_len) == (k, run_len + 1) and s.rq == rq + 1  # the run goes on
