@@ -11,7 +11,8 @@ tokens, <= 4096 a forward, padded to the graph buckets) at the profile's target 
 ``--mixed-prefill`` the prompts ride in the steps (``runtime.prefill_plan.Riding``: the header's
 ``prefill_budget`` and ``ride_limit``; a header without a ride limit is a run from before the
 limit existed, where every prompt rode), each riding step's target priced at its tier + prompt
-tokens. Prints measured and predicted end-to-end and decode tok/s, and their errors (measured /
+tokens, at the shape the run's planner gave it (``plan_ride``; a header without ``ride_shapes`` is
+a run from before it, whose riding steps ran ``plan(batch)``). Prints measured and predicted end-to-end and decode tok/s, and their errors (measured /
 predicted - 1), mean over the repeats, with a summary per prefill mode.
 """
 
@@ -31,6 +32,9 @@ from spectune.engine.bench_accounting import SIM_REQUESTS
 from spectune.io import atomic_write_text
 from spectune.runtime.planner import Planner, load
 from spectune.runtime.prefill_plan import Riding, prefill_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_ride_aware import RidesAsPlanned  # noqa: E402  (the planner with riding steps at plan(batch))
 
 RIDE_ALL = 1 << 30  # the ride limit of a run from before the limit existed: every prompt rode
 
@@ -65,7 +69,10 @@ def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
         reps = max(1, -(-SIM_REQUESTS // n))
 
         def make_policy(k: int | None = k, tiers: tuple[int, ...] = tiers) -> Any:
-            return FixedPolicy(k, tiers) if k is not None else Planner(planner.table)
+            if k is not None:
+                return FixedPolicy(k, tiers)
+            # a run from before ``plan_ride`` ran its riding steps at ``plan(batch)``
+            return Planner(planner.table) if h.get("ride_shapes") else RidesAsPlanned(planner.table)
 
         pred = predict_arm(planner.cost, model, make_policy, concurrency=c, requests=n, decode_tokens=max_new - 1,
                            context_len=prompt_len + max_new // 2, seeds=range(0, reps),

@@ -624,3 +624,21 @@ def test_sim_ride_aware_compares_riding_shapes_on_the_same_runs(tmp_path, capsys
     assert row["k_hist_plan_ride"] != row["k_hist_as_planned"]
     assert min(map(int, row["k_hist_plan_ride"])) < min(map(int, row["k_hist_as_planned"]))
     assert "plan_ride / as planned over 1 cells" in capsys.readouterr().out
+
+
+def test_predict_e2e_prices_riding_steps_at_the_shapes_the_run_gave_them(tmp_path):
+    # a run from before plan_ride (no ``ride_shapes`` in its header) ran its riding steps at
+    # plan(batch): predicted so; the same run marked as plan_ride is predicted with plan_ride
+    mod = load("predict_e2e")
+    src = BENCH / "results" / "engine_speed_h200_v14" / "every_prompt_rides_p256" / "bench_mixed256.json"
+    data = json.loads(src.read_text())
+    assert "ride_shapes" not in data["header"]
+    data["rows"] = [r for r in data["rows"] if r["concurrency"] == 32]
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(data))
+    data["header"]["ride_shapes"] = "plan_ride"
+    new.write_text(json.dumps(data))
+    before = {r["arm"]: r for r in mod.predict_file(old, BENCH.parent)}
+    after = {r["arm"]: r for r in mod.predict_file(new, BENCH.parent)}
+    assert before["plain"]["predicted_output_tok_s"] == after["plain"]["predicted_output_tok_s"]
+    assert after["auto"]["predicted_output_tok_s"] > before["auto"]["predicted_output_tok_s"]

@@ -539,6 +539,9 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "prefill_budget": config.prefill_budget if config.mixed_prefill else None,
         "ride_limit": setup.engine.ride_limit if config.mixed_prefill else None,
         "ride_pieces": config.ride_pieces if config.mixed_prefill else None,
+        # how auto shaped a step that carried prompt tokens (``Planner.plan_ride``; runs from
+        # before it have no key: their riding steps ran ``plan(batch)``)
+        "ride_shapes": "plan_ride" if config.mixed_prefill else None,
     }
 
 
