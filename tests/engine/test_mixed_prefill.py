@@ -393,10 +393,10 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
 
 
 class RidesAtOne:
-    """fixed:3, except that a step carrying prompt tokens runs K 1 (``Planner.plan_ride``'s hook)."""
+    """fixed:3, except that a step carrying prompt tokens runs K ``ride_k`` (``Planner.plan_ride``'s hook)."""
 
-    def __init__(self, tiers):
-        self.fixed3, self.fixed1 = FixedPolicy(3, tiers), FixedPolicy(1, tiers)
+    def __init__(self, tiers, ride_k=1):
+        self.fixed3, self.fixed1 = FixedPolicy(3, tiers), FixedPolicy(ride_k, tiers)
         self.rides: list[tuple[int, int]] = []
 
     def plan(self, batch_size):
@@ -407,17 +407,19 @@ class RidesAtOne:
         return self.fixed1.plan(batch_size)
 
 
-def test_a_riding_step_asks_the_policy_for_its_shape(rig, plain):
+@pytest.mark.parametrize("ride_k", [1, 0])
+def test_a_riding_step_asks_the_policy_for_its_shape(rig, plain, ride_k):
     # the engine hands the step's prompt bucket to ``plan_ride`` before the step (the pieces do
-    # not depend on the plan), runs the shape it returns, and the outputs stay plain greedy's
+    # not depend on the plan), runs the shape it returns (plain decoding too), and the outputs
+    # stay plain greedy's
     load_replay(rig, plain.outputs)
     engine = mixed_engine(rig, 16)
     spy = StepPieces(engine)
-    policy = RidesAtOne(engine.tiers)
+    policy = RidesAtOne(engine.tiers, ride_k)
     res = engine.run(rig.requests, policy, concurrency=3)
     check_run(res, plain, rig)
     assert policy.rides and all(ride > 0 for _, ride in policy.rides)
     riding_with_rows = len(policy.rides)
-    assert res.k_hist.get(1, 0) == riding_with_rows  # every riding step with live rows ran K 1
+    assert res.k_hist.get(ride_k, 0) == riding_with_rows  # every riding step with live rows ran ride_k
     assert res.k_hist.get(3, 0) > 0  # the others the plan's K 3
     assert len([s for s in spy.steps if s]) >= riding_with_rows  # (+ steps with no live row)
