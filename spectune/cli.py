@@ -494,7 +494,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(auto: on for bfloat16/float16; see docs/BENCH_METHOD.md)")
     _add_ride_options(p, BENCH_MAX_TOKENS, BENCH_MAX_TOKENS * 1024,
                       "admitted prompts ride in the decode/verify steps' target forward (chunked prefill "
-                      "inside the step) instead of separate prefill forwards")
+                      "inside the step) instead of separate prefill forwards; auto gives a riding step its "
+                      "own shape (Planner.plan_ride: a smaller K where the prompt tokens make deep drafts dear)")
     p.add_argument("--ride-pieces", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
                    help="with --mixed-prefill: prompt pieces one step carries at most (default 16; the "
                         "pieces' attention launch has a program per piece slot)")
@@ -604,7 +605,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "prefill forwards at the table's step time (as `spectune bench` prefills)")
     _add_ride_options(p, 1 << 17, 1 << 30,
                       "with --prompt-len: prompts ride in the decode steps (`spectune bench --mixed-prefill`), "
-                      "each riding step's target at its tier + prompt tokens")
+                      "each riding step's target at its tier + prompt tokens, auto's at Planner.plan_ride's shape")
     p.add_argument("--shared-planner", action="store_true",
                    help="auto: one planner, trained by a first untimed run, serves every seed (what "
                         "`spectune bench` does with --repeats) instead of a fresh planner per run")

@@ -623,6 +623,7 @@ def test_sim_ride_aware_compares_riding_shapes_on_the_same_runs(tmp_path, capsys
     # every prompt rides past the knee: riding steps ran smaller K than the choice's own steps
     assert row["k_hist_plan_ride"] != row["k_hist_as_planned"]
     assert min(map(int, row["k_hist_plan_ride"])) < min(map(int, row["k_hist_as_planned"]))
+    assert row["plan_ride_over_as_planned"] > 1.0  # and end to end it gains there (1.033 on this seed)
     assert "plan_ride / as planned over 1 cells" in capsys.readouterr().out
 
 
