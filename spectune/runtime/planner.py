@@ -2,7 +2,9 @@
 
 ``plan(b)`` is a host-side list lookup (no GPU work, no device value): it returns K (0 = the
 drafter does not run), the verify budget B (draft tokens checked this step over all requests)
-and the captured tier to replay (smallest tier >= b + B).
+and the captured tier to replay (smallest tier >= b + B). ``plan_ride(b, P)`` is the same for a
+step whose forward also carries P prompt tokens (mixed prefill): it may answer a smaller K there,
+from a dict made once per estimate.
 
 The online controller closes the loop. ``observe(accepted_per_pos, tested_per_pos)`` takes the
 device's acceptance counters of the previous step (host copies, one step late):
