@@ -9,7 +9,9 @@ served acceptance; ``mixed:N`` is ``--mixed-prefill --prefill-budget N`` (an adm
 than N prompt tokens at once takes separate forwards), ``mixed:N:all`` lets every prompt ride; a
 last part ``:pM`` caps the prompt pieces a riding step carries at M (``--ride-pieces``, default
 16; ``mixed:256:all:p64`` at concurrency <= 64 is the engine before the cap, whose pieces'
-attention launch had a slot per engine row). Every mode's results JSON is written to
+attention launch had a slot per engine row); a last part ``:plan`` runs auto's riding steps at
+``plan(batch)`` instead of ``Planner.plan_ride`` (``mixed:256:all:plan`` beside ``mixed:256:all``
+is the A/B of plan_ride in one call). Every mode's results JSON is written to
 ``--out-dir`` as ``bench_<mode>.json``, then ``mixed_prefill.json`` holds the table:
 per (mode, concurrency, arm) the mean over repeats of end-to-end output tok/s (the whole run,
 prefill included), decode tok/s (steps only), TTFT mean / p99 and ITL p50 / p99, and end to end
@@ -43,21 +45,26 @@ FIELDS = ("output_tok_s", "decode_tok_s", "ttft_ms", "ttft_p99_ms", "itl_p50_ms"
 RIDE_ALL = 1 << 30  # a ride limit no admission passes: every prompt rides
 
 
-def parse_mode(text: str) -> tuple[str, int | None, int | None, int]:
-    """(name, budget, ride limit, pieces a step): separate -> no budget; mixed:N -> budget N, bursts
-    of more than N prompt tokens separate (the engine's default); mixed:N:all -> every prompt
-    rides; a last part pM caps the pieces a step carries at M (default ``RIDE_PIECES``)."""
+def parse_mode(text: str) -> tuple[str, int | None, int | None, int, bool]:
+    """(name, budget, ride limit, pieces a step, ride-aware): separate -> no budget; mixed:N ->
+    budget N, bursts of more than N prompt tokens separate (the engine's default); mixed:N:all ->
+    every prompt rides; a part pM caps the pieces a step carries at M (default ``RIDE_PIECES``);
+    a last part ``plan`` runs auto's riding steps at ``plan(batch)`` (the rule before
+    ``Planner.plan_ride``: the A/B of it in one call)."""
     if text == "separate":
-        return text, None, None, RIDE_PIECES
+        return text, None, None, RIDE_PIECES, True
     parts = text.split(":")
+    aware = not (len(parts) > 2 and parts[-1] == "plan")
+    if not aware:
+        parts.pop()
     pieces = RIDE_PIECES
     if len(parts) > 2 and parts[-1][:1] == "p" and parts[-1][1:].isdigit() and int(parts[-1][1:]) >= 1:
         pieces = int(parts.pop()[1:])
     if not (parts[0] == "mixed" and len(parts) in (2, 3) and parts[1].isdigit() and int(parts[1]) >= 1
             and parts[2:] in ([], ["all"])):
-        raise SystemExit(f"--modes: {text!r} is not separate or mixed:N[:all][:pM] (N >= 1 prompt tokens a "
-                         "step, M >= 1 pieces a step)")
-    return text, int(parts[1]), RIDE_ALL if parts[2:] == ["all"] else None, pieces
+        raise SystemExit(f"--modes: {text!r} is not separate or mixed:N[:all][:pM][:plan] (N >= 1 prompt tokens "
+                         "a step, M >= 1 pieces a step)")
+    return text, int(parts[1]), RIDE_ALL if parts[2:] == ["all"] else None, pieces, aware
 
 
 def mean_rows(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, float]]:
@@ -95,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     table: dict[str, Any] = {"policy": args.policy, "concurrency": concurrency, "arms": args.arms,
                              "repeats": args.repeats, "fused": not args.no_fused, "modes": {}}
-    for mode, budget, ride_limit, pieces in modes:
+    for mode, budget, ride_limit, pieces, aware in modes:
         t0 = time.perf_counter()
         path = out_dir / f"bench_{mode.replace(':', '_')}.json"
         config = BenchConfig(policy=args.policy, out=str(path), concurrency=concurrency, arms=args.arms,
                              repeats=args.repeats, fused=not args.no_fused, mixed_prefill=budget is not None,
                              prefill_budget=budget or 256, ride_limit=ride_limit, ride_pieces=pieces,
+                             ride_aware=aware,
                              prompt_len=args.prompt_len,
                              max_new_tokens=args.max_new_tokens, device=args.device, progress=False)
         try:

@@ -488,10 +488,10 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
     mod = load("mixed_prefill")
     policy = Path(__file__).resolve().parent.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"
     assert mod.main(["--out-dir", str(tmp_path), "--policy", str(policy), "--device", "cpu", "--no-fused",
-                     "--modes", "separate,mixed:8,mixed:8:all:p1", "--concurrency", "2", "--repeats", "1",
+                     "--modes", "separate,mixed:8,mixed:8:all:p1,mixed:8:all:plan", "--concurrency", "2", "--repeats", "1",
                      "--prompt-len", "6", "--max-new-tokens", "4"]) == 0
     table = json.loads((tmp_path / "mixed_prefill.json").read_text())
-    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:all:p1"}
+    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:all:p1", "mixed:8:all:plan"}
     for mode, cells in table["modes"].items():
         for arm in ("plain", "auto"):
             cell = cells[f"2/{arm}"]
@@ -503,14 +503,17 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
             assert all(r["mixed_prefill_tokens"] == 0 and r["prefill_forwards"] > 0 for r in rows)
         elif mode == "mixed:8":  # two 6-token prompts admitted at once pass the ride limit of 8: apart
             assert bench["header"]["ride_limit"] == 8 and all(r["prefill_forwards"] > 0 for r in rows)
-        else:  # every prompt rides, one piece a step
+        else:  # every prompt rides (one piece a step with p1)
             assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
-            assert bench["header"]["ride_pieces"] == 1
+            assert bench["header"]["ride_pieces"] == (1 if mode.endswith(":p1") else 16)
+        # auto's riding steps: plan_ride's shapes, or the batch's plan with ``:plan``
+        assert bench["header"]["ride_shapes"] == (None if mode == "separate" else
+                                                  "plan" if mode.endswith(":plan") else "plan_ride")
     assert "e2e/sep.decode" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mode", ["mixed", "mixed:0", "mixed:8:some", "mixed:8:", "fused", "mixed:8:p0",
-                                  "mixed:8:all:p", "mixed:p4"])
+                                  "mixed:8:all:p", "mixed:p4", "mixed:plan", "mixed:8:plan:p4"])
 def test_mixed_prefill_refuses_a_bad_mode(tmp_path, mode):
     mod = load("mixed_prefill")
     with pytest.raises(SystemExit, match="--modes"):

@@ -148,6 +148,7 @@ class BenchConfig:
     prefill_budget: int = DEFAULT_PREFILL_BUDGET  # prompt tokens per step with mixed_prefill
     ride_limit: int | None = None  # mixed_prefill: a larger admission takes separate forwards (None: the budget)
     ride_pieces: int = RIDE_PIECES  # mixed_prefill: prompt pieces one step carries at most
+    ride_aware: bool = True  # mixed_prefill: auto's riding steps at plan_ride's shape (False: plan(batch))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +366,11 @@ def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests
     k = parse_arm(arm)
 
     def make_policy() -> Any:
-        return FixedPolicy(k, setup.engine.tiers) if k is not None else Planner(setup.planner.table)
+        if k is not None:
+            return FixedPolicy(k, setup.engine.tiers)
+        planner = Planner(setup.planner.table)
+        planner.ride_aware = setup.planner.ride_aware
+        return planner
 
     engine = setup.engine
     prompt_len = len(setup.requests[0].prompt)
@@ -472,6 +477,7 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
     if config.arms is not None:
         parse_arms(config.arms)
     planner = load(config.policy, on_gpu_mismatch="warn")
+    planner.ride_aware = config.ride_aware
     dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
     own = [[int(c) for c in src[3]] if len(src) > 3 else list(concurrency) for src in sources]
@@ -539,9 +545,9 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "prefill_budget": config.prefill_budget if config.mixed_prefill else None,
         "ride_limit": setup.engine.ride_limit if config.mixed_prefill else None,
         "ride_pieces": config.ride_pieces if config.mixed_prefill else None,
-        # how auto shaped a step that carried prompt tokens (``Planner.plan_ride``; runs from
-        # before it have no key: their riding steps ran ``plan(batch)``)
-        "ride_shapes": "plan_ride" if config.mixed_prefill else None,
+        # how auto shaped a step that carried prompt tokens (``Planner.plan_ride``, or ``plan``:
+        # the batch's plan; runs from before plan_ride have no key: theirs ran ``plan(batch)``)
+        "ride_shapes": ("plan_ride" if config.ride_aware else "plan") if config.mixed_prefill else None,
     }
 
 

@@ -330,6 +330,7 @@ class Planner:
         self.k_hi = max(self.k_hi, max(r.k for r in self.policy.rows), 1)
         prior = list(self.online.prior) if self.online.prior else [DEFAULT_ACCEPTANCE] * self.k_hi
         self.prior = (prior + [prior[-1]] * self.k_hi)[: self.k_hi]
+        self.ride_aware = True  # False: a riding step runs plan(batch), the rule before plan_ride (A/B)
         self._build_lookup()
         # before any decision, a batch size the table runs at K = 0 probes K = 1 (full budget)
         self._first_probe: list[Plan | None] = [
@@ -434,7 +435,7 @@ class Planner:
         estimate (host time: a dict lookup). Simulated over the held-out sources
         (``benchmarks/sim_ride_aware.py``): -0.2..+5.7 % end to end, median +1.0 %."""
         plan = self.plan(batch_size)
-        if ride <= 0 or not 0 < batch_size <= self.max_batch or plan.k < 1 or plan.tier is None:
+        if ride <= 0 or not self.ride_aware or not 0 < batch_size <= self.max_batch or plan.k < 1 or plan.tier is None:
             return plan
         s = self._s
         key = (batch_size, ride, plan)

@@ -793,6 +793,10 @@ def test_a_riding_step_runs_the_k_its_prompt_tokens_leave_worth_running():
     assert 1 <= got.k < cur.k  # the premise: past the knee, the choice's deepest drafts do not pay
     # alone, the choice is still the best of its step (its tokens per ms are the value used)
     assert brute_ride(p, b, 0) == cur
+    # the A/B switch (``ride_aware``): riding steps at the batch's plan, as before plan_ride
+    q = Planner(ride_table())
+    q.ride_aware = False
+    assert q.plan_ride(b, 64) == q.plan(b) == cur
 
 
 def test_a_riding_step_is_chosen_again_after_a_new_estimate():
