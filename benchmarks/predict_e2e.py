@@ -33,9 +33,6 @@ from spectune.io import atomic_write_text
 from spectune.runtime.planner import Planner, load
 from spectune.runtime.prefill_plan import Riding, prefill_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_ride_aware import RidesAsPlanned  # noqa: E402  (the planner with riding steps at plan(batch))
-
 RIDE_ALL = 1 << 30  # the ride limit of a run from before the limit existed: every prompt rode
 
 
@@ -71,8 +68,11 @@ def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
         def make_policy(k: int | None = k, tiers: tuple[int, ...] = tiers) -> Any:
             if k is not None:
                 return FixedPolicy(k, tiers)
-            # a run from before ``plan_ride`` ran its riding steps at ``plan(batch)``
-            return Planner(planner.table) if h.get("ride_shapes") else RidesAsPlanned(planner.table)
+            # riding steps as the run shaped them: ``plan_ride``, else ``plan(batch)`` (a ``:plan``
+            # mode's run, or one from before plan_ride, whose header has no ride_shapes)
+            policy = Planner(planner.table)
+            policy.ride_aware = h.get("ride_shapes") == "plan_ride"
+            return policy
 
         pred = predict_arm(planner.cost, model, make_policy, concurrency=c, requests=n, decode_tokens=max_new - 1,
                            context_len=prompt_len + max_new // 2, seeds=range(0, reps),

@@ -29,9 +29,8 @@ from dataclasses import replace
 from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
 from spectune.autotune.whatif import WhatIf, heldout_sources, simulate_table
 from spectune.io import atomic_write_text
-from spectune.runtime.planner import Plan, Planner, load
+from spectune.runtime.planner import Planner, load
 from spectune.runtime.prefill_plan import Riding
-from spectune.runtime.table import read_table
 
 SHAPES = {  # name: (prompt tokens, new tokens, ride limit (None: the budget, the engine's default))
     "p64": (64, 256, None),
@@ -40,11 +39,12 @@ SHAPES = {  # name: (prompt tokens, new tokens, ride limit (None: the budget, th
 }
 
 
-class RidesAsPlanned(Planner):
-    """The planner with riding steps at ``plan(batch)``: what the engine ran before ``plan_ride``."""
-
-    def plan_ride(self, batch_size: int, ride: int) -> Plan:
-        return self.plan(batch_size)
+def as_planned(path: str) -> Planner:
+    """The planner with riding steps at ``plan(batch)`` (``Planner.ride_aware`` off): what the
+    engine ran before ``plan_ride``."""
+    planner = load(path, on_gpu_mismatch="ignore")
+    planner.ride_aware = False
+    return planner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             ride = Riding(prompt, a.budget, limit)
             results = {}
             for arm, factory in (("plan_ride", lambda: load(a.policy, on_gpu_mismatch="ignore")),
-                                 ("as_planned", lambda: RidesAsPlanned(read_table(a.policy), file=a.policy))):
+                                 ("as_planned", lambda: as_planned(a.policy))):
                 what = WhatIf(factory, served, drift, repeats=a.repeats)
                 what = replace(what, decode_tokens=new - 1, prompt_len=prompt, ride=ride)
                 out = simulate_table(what, concurrency, ("plain", "auto") if arm == "plan_ride" else ("auto",))

@@ -646,3 +646,9 @@ def test_predict_e2e_prices_riding_steps_at_the_shapes_the_run_gave_them(tmp_pat
     after = {r["arm"]: r for r in mod.predict_file(new, BENCH.parent)}
     assert before["plain"]["predicted_output_tok_s"] == after["plain"]["predicted_output_tok_s"]
     assert after["auto"]["predicted_output_tok_s"] > before["auto"]["predicted_output_tok_s"]
+    # a ``:plan`` mode's run (ride_shapes "plan") ran its riding steps at plan(batch) too
+    data["header"]["ride_shapes"] = "plan"
+    planned = tmp_path / "planned.json"
+    planned.write_text(json.dumps(data))
+    as_planned = {r["arm"]: r for r in mod.predict_file(planned, BENCH.parent)}
+    assert as_planned["auto"]["predicted_output_tok_s"] == before["auto"]["predicted_output_tok_s"]
