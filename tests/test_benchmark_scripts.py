@@ -652,3 +652,35 @@ def test_predict_e2e_prices_riding_steps_at_the_shapes_the_run_gave_them(tmp_pat
     planned.write_text(json.dumps(data))
     as_planned = {r["arm"]: r for r in mod.predict_file(planned, BENCH.parent)}
     assert as_planned["auto"]["predicted_output_tok_s"] == before["auto"]["predicted_output_tok_s"]
+
+
+def test_e2e_ceiling_prices_the_prompts_at_the_fits_token_past_the_knee(tmp_path, capsys):
+    """``e2e_ceiling.py``: each row's ceiling is (N / (N - 1)) / (1 + decode x P / (N - 1) x the
+    fit's ms a token past the knee); the simulated end to end stays under decode and, where the arm's
+    steps run past the knee, within the cost model's error of the ceiling; bad options are refused
+    in one line, nothing written."""
+    mod = load("e2e_ceiling")
+    policy = str(BENCH.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml")
+    out = tmp_path / "ceiling.json"
+    assert mod.main([policy, "--concurrency", "64", "--arms", "plain,auto", "--repeats", "1", "--prompt-len", "64",
+                     "--new-tokens", "256", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["arm"]: r for r in res["rows"]}
+    assert set(rows) == {"plain", "auto"} and res["prompt_len"] == 64 and res["new_tokens"] == 256
+    target = mod.load(policy, on_gpu_mismatch="ignore").table.costs.model.target
+    m = target.token_ms + target.compute_ms
+    for r in rows.values():
+        assert r["marginal_us_per_token"] == pytest.approx(m * 1e3)
+        assert r["ceiling"] == pytest.approx((256 / 255) / (1.0 + r["decode_tok_s"] * 64 / 255 * m / 1e3))
+        assert r["separate_over_decode"] < 1.0 and r["riding_over_decode"] < 1.0
+    # plain at 64 runs 64 tokens a step (below the knee); auto's drafts take it past it, where the
+    # simulated riding run is within a few per cent of the ceiling and not far above it
+    assert not rows["plain"]["past_knee"] and rows["auto"]["past_knee"]
+    assert 0.95 * rows["auto"]["ceiling"] < rows["auto"]["riding_over_decode"] < 1.02 * rows["auto"]["ceiling"]
+    capsys.readouterr()
+    for bad, field in ((["--concurrency", "0"], "--concurrency"), (["--arms", "fixed:x"], "--arms"),
+                       (["--new-tokens", "1"], "--new-tokens")):
+        assert mod.main([policy, *bad, "--out", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and field in err[0]
+    assert not (tmp_path / "x.json").exists()
