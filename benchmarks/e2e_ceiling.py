@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
-from spectune.autotune.whatif import WhatIf, parse_arms, simulate_table
+from spectune.autotune.whatif import WhatIf, parse_arm, parse_arms, simulate_table
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
 from spectune.runtime.costs import CostModel
@@ -59,13 +59,10 @@ def ceiling(decode_tok_s: float, prompt_len: int, new_tokens: int, m_ms: float) 
 
 
 def mean_step_tokens(row: dict[str, Any], concurrency: int) -> float:
-    """The arm's mean tokens a full step verifies: batch x (K + 1) over its K histogram (plain:
-    the batch), an upper estimate where the verify budget holds fewer."""
+    """The arm's mean tokens a full step verifies: batch x (K + 1) over its K histogram (the arm's
+    own K where it ran no step), an upper estimate where the verify budget holds fewer."""
     hist = {int(k): n for k, n in (row.get("k_hist") or {}).items()}
-    if row["arm"] == "plain" or not hist:
-        k = 0.0 if row["arm"] == "plain" else float(row["arm"].split(":")[1])
-    else:
-        k = sum(k * n for k, n in hist.items()) / sum(hist.values())
+    k = sum(k * n for k, n in hist.items()) / sum(hist.values()) if hist else float(parse_arm(row["arm"]) or 0)
     return concurrency * (k + 1.0)
 
 
@@ -84,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         concurrency = int_list(a.concurrency, "--concurrency", example="32,64", error=SpectuneError)
         arms = parse_arms(a.arms)
-        for flag, value in (("--prompt-len", a.prompt_len), ("--new-tokens", a.new_tokens), ("--repeats", a.repeats)):
-            if value < 1 or (flag == "--new-tokens" and value < 2):
-                raise SpectuneError(f"{flag} must be >= {2 if flag == '--new-tokens' else 1}, got {value}")
+        for flag, value, least in (("--prompt-len", a.prompt_len, 1), ("--new-tokens", a.new_tokens, 2),
+                                   ("--repeats", a.repeats, 1)):
+            if value < least:
+                raise SpectuneError(f"{flag} must be >= {least}, got {value}")
         planner = load(a.policy, on_gpu_mismatch="ignore")
         tuned = AcceptanceModel.from_dict(planner.table.acceptance) if planner.table.acceptance else None
         served = resolve_acceptance(a.acceptance if a.acceptance is not None else tuned, max(1, planner.k_hi))
@@ -98,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     separate = simulate_table(what, concurrency, arms)["rows"]
     riding = simulate_table(replace(what, ride=Riding(a.prompt_len, RIDE_BUDGET, None)), concurrency, arms)["rows"]
     knee = planner.cost.params.target.knee_tokens
+    m = marginal_ms(planner.cost)
     rows = []
     print(f"{'c':>4} {'arm':>8} {'decode':>8} {'e2e sep':>8} {'e2e ride':>8} {'sep/dec':>8} {'ride/dec':>8} "
           f"{'ceiling':>7} {'step tok':>8} past knee ({knee:.0f})")
     for sep, ride in zip(separate, riding, strict=True):
         c, arm = sep["concurrency"], sep["arm"]
         decode = sep["goodput_tok_s"]
-        m = marginal_ms(planner.cost)
         tokens = mean_step_tokens(sep, c)
         row = {"concurrency": c, "arm": arm, "decode_tok_s": decode, "e2e_separate_tok_s": sep["output_tok_s"],
                "e2e_riding_tok_s": ride["output_tok_s"], "separate_over_decode": sep["output_tok_s"] / decode,
