@@ -27,7 +27,7 @@ from spectune.cli_support import (
     show_lines,
 )
 from spectune.errors import SpectuneError
-from spectune.runtime.table import DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_K
+from spectune.runtime.table import DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_K, Table
 
 
 class UsageError(Exception):
@@ -271,6 +271,21 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune)
 
 
+def _k0_line(table: Table, k0_cutoff: int) -> str:
+    """Where plain decoding starts: in the rows, or past them where the runtime (and the engine
+    exports) keep drafting while the cost model says it pays (``Planner.uniform_k``)."""
+    from spectune.runtime.planner import Planner
+
+    last = table.workload.max_batch
+    if k0_cutoff <= last:
+        return f"K=0 from batch {k0_cutoff}"
+    planner = Planner(table)
+    b = last + 1
+    while planner.uniform_k(b) > 0:
+        b += 1
+    return f"K>0 at every row (1..{last}); past the rows K=0 from batch {b} (cost model)"
+
+
 def _polled_acceptance(args: argparse.Namespace):
     """--acceptance as given, or with --scrape-every/--scrape-for the model of a polled vLLM URL."""
     if args.scrape_every is None and args.scrape_for is None:
@@ -325,7 +340,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"{lo:>5}-{hi:<5} {row.k:>3} {row.verify_budget:>7} {row.tier or '-':>6} "
               f"{row.gain or 0:>8.3f}x {vs_fixed:>13.3f}x")
     print(f"tiers: {s.policy.tiers}  capture: {s.capture_mib:.0f} MiB, {s.capture_seconds:.1f} s  "
-          f"K=0 from batch {s.k0_cutoff}  trials: {s.trials}")
+          f"{_k0_line(res.table, s.k0_cutoff)}  trials: {s.trials}")
     print(f"smoothing {args.smooth:g}: {s.raw_rows} -> {len(s.policy.rows)} rows, "
           f"worst per-batch predicted loss {s.smooth_loss:.2%}")
     if res.online is not None:
@@ -406,6 +421,26 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
 
+# an engine's --method -> the drafter family whose costs and acceptance a table was tuned with
+METHOD_FAMILY = {"eagle": "eagle", "eagle3": "eagle", "mtp": "mtp", "dflash": "dflash", "dspark": "dflash",
+                 "ngram": "n-gram", "ngram_gpu": "n-gram", "suffix": "n-gram"}
+
+
+def _export_notes(table: Table, method: str | None) -> list[str]:
+    """What the engine will run that the table did not measure: a CPU or toy table, or a method of
+    another drafter family (its drafter's cost and acceptance are not the table's)."""
+    notes = []
+    if table.hardware.gpu.strip().lower() == "cpu" or table.workload.target == "tiny":
+        notes.append(f"measured on {table.hardware.gpu} with target {table.workload.target}: its K are not a "
+                     f"GPU's; profile and tune on the serving GPU")
+    family = METHOD_FAMILY.get((method or "").lower())
+    drafter = table.workload.drafter.split("-")[0]
+    if family is not None and family != drafter:
+        notes.append(f"--method {method} runs a {family} drafter, but the table was tuned for "
+                     f"{table.workload.drafter} (its drafter's cost and acceptance)")
+    return notes
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from spectune.autotune.export import export_table, flags_line
     from spectune.io import atomic_write_text
@@ -419,6 +454,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         atomic_write_text(args.out, exp.text)
         print(f"wrote {args.out} ({args.format} {exp.engine_version})", file=sys.stderr)
+    for note in _export_notes(table, args.method):  # once written: an error stays the one line
+        print(f"note: {args.policy}: {note}", file=sys.stderr)
     print(f"server flags: {flags_line(exp)}", file=sys.stderr)
     return 0
 
@@ -551,6 +588,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"{r['hard_mismatches']:>5} {r['near_tie_mismatches']:>5}"
               f"{'  TIMED OUT' if r.get('timed_out') else ''}", flush=True)
 
+    cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
+    if cpu and args.target is None:
+        from spectune.runtime.table import read_table
+
+        table = read_table(args.policy)
+        if table.workload.target != "tiny":
+            print(f"note: on CPU the bench serves the `tiny` target in float32, not {table.workload.target}: it checks "
+                  f"that the engine runs; the pred columns are the table's {table.hardware.gpu} figures",
+                  file=sys.stderr)
     first_row: dict = {}
     try:
         results = run_bench(config, on_row=show)
@@ -564,9 +610,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(line)
     full = results.get("summary_full_load") or {}
     for r in full.get("ratios", []):
-        print(f"c={r['concurrency']} at full load (steps at concurrency {r['concurrency']}): auto / {r['best_other']} = "
-              f"{_ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}, auto / plain = "
-              f"{_ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}")
+        print(f"c={r['concurrency']} at full load (steps at concurrency {r['concurrency']}): {_auto_ratios(r)}")
     hard = sum(r["hard_mismatches"] for r in results["rows"])
     ties = sum(r["near_tie_mismatches"] for r in results["rows"])
     if hard:
@@ -727,9 +771,17 @@ def _summary_lines(summary: dict | None) -> list[str]:
         lines.append(f"{a['concurrency']:>5} {a['arm']:>9} {a['repeats']:>4} "
                      f"{_ci(a['decode_tok_s'], a['ci95'], '.1f'):>36} {a['timed_out']:>9}")
     for r in summary["ratios"]:
-        lines.append(f"c={r['concurrency']}: auto / {r['best_other']} = {_ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}"
-                     f", auto / plain = {_ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}")
+        lines.append(f"c={r['concurrency']}: {_auto_ratios(r)}")
     return lines
+
+
+def _auto_ratios(r: dict) -> str:
+    """auto / the best other arm, then auto / plain; once where plain is the best other arm (the
+    same ratio twice reads as two findings)."""
+    text = f"auto / {r['best_other']} = {_ci(r['vs_best_other'], r['vs_best_other_ci95'], '.3f')}"
+    if r["best_other"] != "plain":
+        text += f", auto / plain = {_ci(r['vs_plain'], r['vs_plain_ci95'], '.3f')}"
+    return text
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -790,7 +842,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"name": s.name, "gpu": s.gpu, "workload": s.workload, "total": s.total, "done": s.done,
                            "claimed": s.claimed, "waiting": s.waiting, "remaining": s.remaining,
-                           "given_up": s.given_up, "complete": s.complete, "point_s": s.point_s, "eta_s": s.eta_s,
+                           "given_up": s.given_up, "infeasible": s.infeasible, "not_needed": s.not_needed,
+                           "complete": s.complete, "point_s": s.point_s, "eta_s": s.eta_s,
                            "workers": [{"id": w.id, "done": w.done, "measuring": w.measuring,
                                         "last": w.last.isoformat() if w.last else None} for w in s.workers]}
                           for s in studies], indent=1))
@@ -801,8 +854,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         eta = ("complete" if s.complete else f"ETA {s.eta_s / 60:.1f} min" if s.eta_s is not None
                else "ETA unknown (no worker measuring)")
         print(f"{s.name}: {s.gpu}; {s.workload}")
-        print(f"  points: {s.done} done, {s.claimed} claimed, {s.waiting} waiting, {s.remaining} remaining of "
-              f"{s.total}" + (f", {len(s.given_up)} given up" if s.given_up else "") + f"; {eta}"
+        # done + remaining + given up + not needed = total: every planned point is named
+        print(f"  points: {s.done} done" + (f" ({s.infeasible} infeasible)" if s.infeasible else "")
+              + f", {s.claimed} claimed, {s.waiting} waiting, {s.remaining} remaining of {s.total}"
+              + (f", {len(s.given_up)} given up" if s.given_up else "")
+              + (f", {s.not_needed} not needed (the adaptive phase ended early)" if s.not_needed else "") + f"; {eta}"
               + (f" ({s.point_s:.2f} s per point)" if s.point_s is not None else ""))
         for w in s.workers:
             now = f", measuring {w.measuring}" if w.measuring else ""
@@ -835,6 +891,15 @@ def _parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """The host or the device ran out of memory: torch's OutOfMemoryError (CUDA), its CPU
+    allocator's RuntimeError, Python's MemoryError. Any other RuntimeError is a bug: re-raised."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -849,6 +914,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the file system said no (read-only, full, a folder): name the file
         where = f"{exc.filename}: " if exc.filename else ""
         print(one_line(f"spectune {args.command}: error: {where}{exc.strerror or exc}"), file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not _out_of_memory(exc):
+            raise
+        after = INTERRUPTED.get(args.command, "nothing was written")
+        print(one_line(f"spectune {args.command}: error: out of memory ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0][:160] if str(exc) else 'no details'}); free the device's memory "
+                       f"(another server on it?) or ask for less of it ({after})"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         after = INTERRUPTED.get(args.command, "nothing was written")

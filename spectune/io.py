@@ -28,6 +28,9 @@ def _atomic_write(path: str | os.PathLike[str], content: str | bytes, mode: str)
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
+    above = next((p for p in path.parents if p.exists()), None)  # the nearest that exists must be a folder
+    if above is not None and not above.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{above} is a file, not a folder", str(path))
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -141,6 +141,15 @@ def test_out_that_cannot_be_written(files, capsys, out):
     assert not list(tmp.glob(".*.tmp"))
 
 
+def test_out_under_a_file_names_the_file_that_is_not_a_folder(files, capsys):
+    tmp, profile, policy = files
+    (tmp / "t1.yaml").write_text("x")
+    target = str(tmp / "t1.yaml" / "sub" / "x.json")
+    refused(capsys, ["export", str(policy), "--format", "vllm", "--method", "ngram", "--out", target],
+            f"{tmp / 't1.yaml'} is a file, not a folder")
+    assert (tmp / "t1.yaml").read_text() == "x"
+
+
 def test_bench_refuses_huge_prompts_and_a_bad_acceptance_before_building(files, capsys):
     tmp, _, policy = files
     refused(capsys, ["bench", "--policy", str(policy), "--out", str(tmp / "b.json"), "--prompt-len", "100000"],
@@ -206,3 +215,35 @@ def test_errors_name_the_file_they_are_about(files, capsys):
     acc_path.write_text(yaml.safe_dump(bad_acc))
     refused(capsys, ["bench", "--policy", str(acc_path), "--out", str(tmp / "b.json"), "--device", "cpu"],
             str(acc_path), "acceptance.components", "sum to 1")
+
+
+@pytest.mark.parametrize("error", [
+    MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 1244659712 bytes. Error code 12 (Cannot allocate memory)"),
+    type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines"),
+])
+def test_running_out_of_memory_while_building_is_one_line(tmp_path, capsys, monkeypatch, error):
+    from spectune.models import build
+
+    def out_of_memory(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(build, "build_models", out_of_memory)
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "--target", "tiny", "--out", str(out), "--trials", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("spectune profile: error: out of memory (") and "resumes" in err
+    assert not out.exists()
+
+
+def test_a_runtime_error_that_is_not_memory_is_not_swallowed(tmp_path, monkeypatch):
+    from spectune.models import build
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(build, "build_models", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["profile", "--target", "tiny", "--out", str(tmp_path / "p.yaml"), "--trials", "4"])

@@ -34,10 +34,26 @@ def schedule_from_rows(rows: Sequence[Any]) -> list[Range]:
     return out
 
 
-def schedule_from_table(table: Table, file: str = "policy") -> list[Range]:
+def schedule_from_table(table: Table, file: str = "policy", top: int | None = None) -> list[Range]:
+    """The rows' schedule; with ``top`` past the rows' last batch size, also the K the runtime
+    planner runs there with no row (``Planner.uniform_k``: the last row's K while the cost model
+    says it beats plain decoding, cut to the largest tier), so an engine that serves larger
+    batches runs what ``spectune simulate`` and the runtime predict, not a K the table never chose."""
     if table.policy is None:
         raise ExportError(f"{file}: has no policy section (a cost-only profile); run `spectune tune` first")
-    return schedule_from_rows(table.policy.rows)
+    out = schedule_from_rows(table.policy.rows)
+    last = out[-1][1]
+    if top is not None and top > last:
+        from spectune.runtime.planner import Planner
+
+        planner = Planner(table)
+        for b in range(last + 1, top + 1):
+            k = planner.uniform_k(b)
+            if out[-1][2] == k:
+                out[-1] = (out[-1][0], b, k)
+            else:
+                out.append((b, b, k))
+    return out
 
 
 def check_schedule(schedule: Sequence[Range], where: str) -> None:

@@ -125,7 +125,8 @@ def export_table(table: Table, fmt: str, *, file: str = "policy", method: str | 
     """A policy table -> the engine config and flags (validated against the engine's rules); every
     error names ``file``."""
     try:
-        return export_schedule(schedule_from_table(table, file), fmt, method=method, model=model,
+        top = max_batch if max_batch is not None else vll.DEFAULT_MAX_NUM_SEQS if fmt == "vllm" else None
+        return export_schedule(schedule_from_table(table, file, top), fmt, method=method, model=model,
                                max_batch=max_batch, engine_version=engine_version, config_path=config_path)
     except ExportError as exc:
         if str(exc).startswith(f"{file}:"):

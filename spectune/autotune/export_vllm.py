@@ -12,9 +12,10 @@ Rules read from vLLM 0.33.0 (docs/EXPORTS.md cites the files):
                                      K, batch sizes past the last range keep the last K, every K
                                      is clamped to num_speculative_tokens
 
-So the export names the method (and the drafter where the method needs one) and ends with a
-``[hi + 1, max_num_seqs, 0]`` tail: without it batch sizes past the policy's last range would keep
-its K where the policy means K = 0.
+So the export names the method (and the drafter where the method needs one) and its ranges reach
+max_num_seqs: past the table's rows ``export_table`` continues with the runtime planner's K there
+(``Planner.uniform_k``), and a schedule that stops short gets a ``[hi + 1, max_num_seqs, 0]`` tail:
+without it batch sizes past the last range would keep its K where the schedule means K = 0.
 """
 
 from __future__ import annotations

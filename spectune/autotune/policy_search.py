@@ -482,9 +482,10 @@ def search_policy(cost: CostModel, acceptance: AcceptanceModel, *, max_batch: in
             for r in rows_from_choices(choices, used)]
     policy = Policy(tiers=used, rows=rows, online=online,
                     objective="pareto" if pareto else objective)
-    raw_used = sorted({c.tier for c in raw})
+    # rows before smoothing, over the same tiers as the policy's (a row's budget fills its tier,
+    # so another tier set splits rows differently: smoothing 0 read "20 -> 21 rows")
     return SearchResult(policy, choices, float(mib[used_idx].sum()), float(sec[used_idx].sum()), cutoff,
-                        len(study.trials), front, loss, len(rows_from_choices(raw, raw_used)))
+                        len(study.trials), front, loss, len(rows_from_choices(raw, used)))
 
 
 def mix_of(acceptance: AcceptanceModel, max_k: int) -> Mixture:

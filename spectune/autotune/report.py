@@ -71,7 +71,8 @@ def rate_field(rs: ResultSet) -> str:
 
 
 def ab_table(rs: ResultSet, field: str = "output_tok_s") -> TableBlock:
-    """Rows = concurrency, columns = arms (tok/s, best of the row in bold), then auto ratios."""
+    """Rows = concurrency, columns = arms (tok/s, best of the row in bold), then auto ratios; a
+    null (not measured) cell is a dash."""
     arms = rs.arms
     auto = auto_arm(arms)
     base = [a for a in arms if not a.startswith("auto")]
@@ -82,8 +83,8 @@ def ab_table(rs: ResultSet, field: str = "output_tok_s") -> TableBlock:
         head.append(f"{auto} / plain")
     rows = []
     for c in rs.concurrencies:
-        vals = {a: float(getattr(r, field)) for a in arms if (r := rs.get(c, a)) is not None}
-        top = max(vals.values())
+        vals = {a: float(v) for a in arms if (r := rs.get(c, a)) is not None and (v := getattr(r, field)) is not None}
+        top = max(vals.values(), default=None)
         cells = [(str(c), False)] + [(f"{vals[a]:.1f}", vals[a] == top) if a in vals else (MISSING, False)
                                      for a in arms]
         mine = vals.get(auto) if auto else None
@@ -124,10 +125,10 @@ def prediction_table(rs: ResultSet) -> tuple[TableBlock, str] | None:
     field = rate_field(rs)
     for r in rows:
         pred = float(r.predicted_tok_s or 0.0)
-        measured = float(getattr(r, field))
-        err = (pred / measured - 1) * 100 if measured > 0 else None
+        measured = getattr(r, field)
+        err = (pred / measured - 1) * 100 if measured else None
         errs += [] if err is None else [abs(err)]
-        cells.append(((str(r.concurrency), False), (r.arm, False), (f"{measured:.1f}", False),
+        cells.append(((str(r.concurrency), False), (r.arm, False), (MISSING if measured is None else f"{measured:.1f}", False),
                       (f"{pred:.1f}", False), (MISSING if err is None else f"{err:+.1f}%", False)))
     absv = sorted(errs)
     summary = (f"Simulator error over {len(errs)} points: median {absv[len(absv) // 2]:.1f}%, "
@@ -200,7 +201,8 @@ def _result_blocks(rs: ResultSet, images: dict[str, bytes]) -> list[Block]:
     field = rate_field(rs)
     if field != "output_tok_s":
         blocks += [Heading("A/B: decode tok/s", 3), ab_table(rs, field)]
-    blocks += [Heading("A/B: output tok/s", 3), ab_table(rs)]
+    if any(r.output_tok_s is not None for r in rs.rows):  # null: not measured (simulate without a prompt)
+        blocks += [Heading("A/B: output tok/s", 3), ab_table(rs)]
     plots = [("goodput", "Goodput vs concurrency", rp.goodput_png(rs)),
              ("power", "Power and energy per token", rp.power_png(rs)),
              ("latency", "Inter-token latency", rp.latency_png(rs)),

@@ -1,4 +1,5 @@
-"""Inputs of ``spectune report``: bench results JSON (``header`` + ``rows``), simulation JSON of
+"""Inputs of ``spectune report``: bench results JSON (``header`` + ``rows``), ``spectune simulate
+--json`` output (``rows`` and the simulation's settings, no header), simulation JSON of
 ``benchmarks/sim_policy_vs_fixed.py`` (scenarios of plain / fixed K / policy goodput) and profile
 or policy YAML tables. Optional row fields may be missing; a malformed file raises
 :class:`ReportError` naming the file and the field.
@@ -38,11 +39,12 @@ class ReportError(SpectuneError):
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One (concurrency, arm) measurement; every field past ``output_tok_s`` is optional."""
+    """One (concurrency, arm) measurement; every field past ``output_tok_s`` is optional, and
+    ``output_tok_s`` may be null (not measured) where ``decode_tok_s`` is given."""
 
     concurrency: int
     arm: str  # "plain" | "fixed:K" | "auto" | ...
-    output_tok_s: float  # goodput: emitted tokens per second over all requests
+    output_tok_s: float | None  # end to end: emitted tokens per second over all requests
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     ttft_ms: float | None = None
@@ -72,6 +74,8 @@ class BenchRow:
             raise TableError(f"{path}.concurrency", f"must be >= 1, got {self.concurrency}")
         if not self.arm:
             raise TableError(f"{path}.arm", "must not be empty")
+        if self.output_tok_s is None and self.decode_tok_s is None:  # a row needs some throughput
+            raise TableError(f"{path}.output_tok_s", "must not be null (unless decode_tok_s is given)")
         for name in ("output_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_ms", "mean_accept_len", "power_w",
                      "joules_per_token", "predicted_tok_s", "decode_tok_s", "mean_accept_len_clean",
                      "predicted_tok_s_at_measured_accept"):
@@ -174,8 +178,12 @@ def _bench_rows(rows: Any, file: str, prefix: str = "rows") -> tuple[BenchRow, .
         path = f"{prefix}[{i}]"
         if not isinstance(row, dict):
             raise ReportError(file, path, f"must be a mapping, got {type(row).__name__}")
-        if "output_tok_s" not in row and "goodput_tok_s" in row:
+        if "goodput_tok_s" in row and "output_tok_s" not in row:  # older simulate output
             row = {**row, "output_tok_s": row["goodput_tok_s"]}
+        elif "goodput_tok_s" in row and row.get("decode_tok_s") is None:
+            # simulate: goodput is decode tokens over step time (the bench's decode_tok_s);
+            # output_tok_s is end to end, null without --prompt-len
+            row = {**row, "decode_tok_s": row["goodput_tok_s"]}
         try:
             r = from_dict(BenchRow, _known(BenchRow, row), path)
         except TableError as exc:
@@ -307,10 +315,22 @@ def read_results(path: str | os.PathLike[str], stem: str | None = None) -> list[
         raise ReportError(file, "", f"must be a JSON object, got {type(data).__name__}")
     if "rows" not in data:
         return _sim_sets(data, file, stem)
-    header = _header(data.get("header"), file)
-    kind: Literal["bench", "sim"] = "sim" if str(header.get("kind", "")).startswith("sim") else "bench"
+    if _is_simulate(data):  # its settings sit beside the rows: show them as the header
+        header = _header({k: v for k, v in data.items() if k != "rows"}, file)
+        kind: Literal["bench", "sim"] = "sim"
+    else:
+        header = _header(data.get("header"), file)
+        kind = "sim" if str(header.get("kind", "")).startswith("sim") else "bench"
     title = "Bench" if kind == "bench" else "Simulation"
     return [ResultSet(f"{title}: {Path(file).name}", stem, file, kind, header, _bench_rows(data["rows"], file))]
+
+
+def _is_simulate(data: dict[str, Any]) -> bool:
+    """``spectune simulate --json``: rows of ``goodput_tok_s`` and no header (the bench writes a
+    header and ``decode_tok_s``)."""
+    rows = data.get("rows")
+    return ("header" not in data and isinstance(rows, list)
+            and any(isinstance(r, dict) and "goodput_tok_s" in r for r in rows))
 
 
 def _slug(text: str) -> str:

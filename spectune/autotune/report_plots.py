@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 MAX_CDF_PANELS = 4
 DEFAULT_BATCHES = (1, 4, 16, 64, 256)
+MAX_LEGEND_BATCHES = 6  # more batch sizes than this: a colour bar, not a legend entry per batch
 
 
 def _figure(ncols: int, width: float = 5.2, height: float = 3.8) -> tuple[Any, list[Any]]:
@@ -220,40 +221,67 @@ def _batches(points: list[Point], max_batch: int) -> list[int]:
     return found or [b for b in DEFAULT_BATCHES if b <= max_batch] or [1]
 
 
+def _crowded_x(ax: Any) -> None:
+    if len(ax.get_xticks()) > 6:  # a dozen tiers' labels would run together
+        ax.tick_params(axis="x", labelrotation=45)
+
+
+def _batch_colors(batches: Sequence[int]) -> tuple[Any, Any]:
+    """(batch -> colour, colour bar mappable or None). Few batches: tab10 and a legend; many (a
+    profile measures dozens): viridis on log2(batch) and one colour bar, as a legend entry per
+    batch outgrows the panel (constrained layout then squashes the axes to a strip)."""
+    from matplotlib import cm, colormaps
+    from matplotlib.colors import LogNorm
+
+    if len(batches) <= MAX_LEGEND_BATCHES:
+        colors = _colors([str(b) for b in batches])
+        return (lambda b: colors[str(b)]), None
+    norm = LogNorm(vmin=min(batches), vmax=max(max(batches), min(batches) + 1))
+    cmap = colormaps["viridis"]
+    return (lambda b: cmap(norm(b))), cm.ScalarMappable(norm=norm, cmap=cmap)
+
+
 def cost_png(tab: Table) -> bytes:
     """Target ms vs tokens per request and drafter ms vs K (one colour per batch: measured points,
-    fitted model lines); tier replays and runtime overhead when measured."""
+    fitted model lines; a colour bar where there are many batches); tier replays and runtime
+    overhead when measured."""
     model, w = _model(tab), tab.workload
     tiers, over = _measured(tab, "tier"), _measured(tab, "overhead")
     fig, axes = _figure(2 + bool(tiers) + bool(over), width=4.6)
     target = _measured(tab, "target")
+    drafter = _measured(tab, "drafter")
     qmax = max([w.max_k + 1] + [p.q or p.tokens // p.batch for p in target])
-    batches = _batches(target, w.max_batch)
-    colors = _colors([str(b) for b in batches])
+    kmax = max([w.max_k] + [p.k or 0 for p in drafter] + [1])
+    batches, dbatches = _batches(target, w.max_batch), _batches(drafter, w.max_batch)
+    color, bar = _batch_colors(sorted({*batches, *dbatches}))  # one scale: a batch has one colour
     ax = axes[0]
     for b in batches:
         qs = list(range(1, qmax + 1))
-        ax.plot(qs, [model.target_ms(b * q, b) for q in qs], color=colors[str(b)], label=f"batch {b}")
+        ax.plot(qs, [model.target_ms(b * q, b) for q in qs], color=color(b), label=f"batch {b}")
         pts = [p for p in target if p.batch == b]
-        ax.plot([p.q or p.tokens // p.batch for p in pts], [p.ms for p in pts], "o", color=colors[str(b)])
+        ax.plot([p.q or p.tokens // p.batch for p in pts], [p.ms for p in pts], "o", color=color(b))
     ax.set(xlabel="tokens per request (q = K + 1)", ylabel="target step (ms)", title="target: points vs model")
-    drafter = _measured(tab, "drafter")
-    kmax = max([w.max_k] + [p.k or 0 for p in drafter] + [1])
-    dbatches = _batches(drafter, w.max_batch)
-    dcolors = _colors([str(b) for b in dbatches])
     ax = axes[1]
     for b in dbatches:
         ks = list(range(0, kmax + 1))
-        ax.plot(ks, [model.drafter_ms(b, k) for k in ks], color=dcolors[str(b)], label=f"batch {b}")
+        ax.plot(ks, [model.drafter_ms(b, k) for k in ks], color=color(b), label=f"batch {b}")
         pts = [p for p in drafter if p.batch == b]
-        ax.plot([p.k or 0 for p in pts], [p.ms for p in pts], "o", color=dcolors[str(b)])
+        ax.plot([p.k or 0 for p in pts], [p.ms for p in pts], "o", color=color(b))
     ax.set(xlabel="K (draft tokens)", ylabel="drafter (ms)", title=f"drafter ({w.drafter_kind})")
+    if bar is not None:
+        cb = fig.colorbar(bar, ax=axes[:2], pad=0.01, fraction=0.04)
+        lo, hi = bar.norm.vmin, int(bar.norm.vmax)
+        ticks = [1 << i for i in range(hi.bit_length()) if lo <= 1 << i <= hi]
+        cb.set_ticks(ticks, labels=[str(t) for t in ticks])
+        cb.minorticks_off()
+        cb.set_label("batch size")
     i = 2
     if tiers:
         ax = axes[i]
         ax.plot([p.tokens for p in tiers], [p.ms for p in tiers], "o", label="measured")
         ax.plot([p.tokens for p in tiers], [predicted_ms(model, p) for p in tiers], "x", label="model")
         _log2_x(ax, [p.tokens for p in tiers])
+        _crowded_x(ax)
         ax.set(xlabel="tier tokens (padded step)", ylabel="target step (ms)", title="tier replays")
         i += 1
     if over:
@@ -262,9 +290,11 @@ def cost_png(tab: Table) -> bytes:
         ax.plot(toks, [model.overhead_ms(n) for n in toks], label="model")
         ax.plot([p.tokens for p in over], [p.ms for p in over], "o", label="measured")
         _log2_x(ax, toks)
+        _crowded_x(ax)
         ax.set(xlabel="step tokens", ylabel="overhead (ms)", title="runtime overhead")
-    for ax in axes:
+    for n, ax in enumerate(axes):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if n >= 2 or bar is None:  # with a colour bar the batch panels need no legend
+            ax.legend(fontsize="small")
     fig.suptitle(f"{tab.hardware.gpu}: {w.target} / {w.drafter}, context {w.context_len} (points measured, lines fitted)")
     return _png(fig)

@@ -2,9 +2,10 @@
 
 Per study: points done (settled: measured or infeasible), claimed (a worker measures them now),
 waiting, given up (their worker died twice), remaining (the plan's total, plus any held-out
-replacements, minus done and given up), per worker (points done, the point it measures now, its
-last finished point), and an ETA: the median seconds per finished point x remaining points / the
-workers measuring now.
+replacements, minus done and given up), not needed (adaptive budget left when the adaptive phase
+found nothing more to choose: done + given up + remaining + not needed = total), per worker (points
+done, the point it measures now, its last finished point), and an ETA: the median seconds per
+finished point x remaining points / the workers measuring now. Reading writes nothing to the storage.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 from spectune.autotune.measurement_plan import StudyError, StudyPlan, held_out_points
 from spectune.autotune.measurement_study import plan_from_identity
@@ -37,13 +39,14 @@ class StudyStatus:
     gpu: str
     workload: str
     total: int
-    done: int
+    done: int  # infeasible ones included
     claimed: int
     waiting: int
     given_up: list[str]
     workers: list[WorkerStatus] = field(default_factory=list)
     point_s: float | None = None  # median seconds per finished point
     eta_s: float | None = None  # None: nothing finished yet, or no worker measuring
+    infeasible: int = 0  # of done: the points that did not fit (PRUNED)
 
     finished: bool = False  # a worker found nothing left to choose (the adaptive phase may end early)
 
@@ -52,6 +55,11 @@ class StudyStatus:
         if self.finished:
             return self.claimed + self.waiting
         return max(0, self.total - self.done - len(self.given_up))
+
+    @property
+    def not_needed(self) -> int:
+        """The adaptive budget left unspent when the study finished early (0 until it finished)."""
+        return max(0, self.total - self.done - len(self.given_up) - self.remaining)
 
     @property
     def complete(self) -> bool:
@@ -88,7 +96,8 @@ def one_status(study: optuna.Study) -> StudyStatus:
                      total=_total(plan_from_identity(ident), states.count("held_out")), done=len(states.settled),
                      claimed=len(states.running), waiting=len(states.waiting), given_up=sorted(states.given_up),
                      workers=sorted(workers.values(), key=lambda w: w.id),
-                     finished=COMPLETE_ATTR in study.user_attrs)
+                     finished=COMPLETE_ATTR in study.user_attrs,
+                     infeasible=sum(t.state == TrialState.PRUNED for t in states.settled.values()))
     if seconds:
         st.point_s = statistics.median(seconds)
         if st.claimed:
@@ -99,7 +108,7 @@ def one_status(study: optuna.Study) -> StudyStatus:
 def study_status(storage: str | Path, study_name: str | None = None) -> list[StudyStatus]:
     """Every spectune measurement study in the storage (or the named one)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    st = open_storage(storage)
+    st = open_storage(storage, create=False)
     names = [s.study_name for s in st.get_all_studies()]
     if study_name is not None:
         if study_name not in names:

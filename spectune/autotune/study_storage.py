@@ -11,7 +11,10 @@
   the kernel when a worker dies). Re-entrant within a process.
 - A journal line cut short (a full disk, a kill mid-write) is detected: a torn last line is cut
   off under the journal's own lock before the next append; a bad line inside the file is refused
-  with the command that recovers the records before it (:func:`repair_journal`).
+  with the command that recovers the records before it (:func:`repair_journal`). A file whose first
+  line is no record (a profile, a log) is no journal at all: refused, never cut nor repaired.
+- ``open_storage(..., create=False)`` is a reader's (``spectune status``): a journal or SQLite
+  file that does not exist is an error, and nothing is written (no folder, file or lock file).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -131,23 +135,50 @@ def journal_lock(path: str) -> Iterator[None]:
         lock.release()
 
 
-def check_journal(path: str) -> int:
-    """Refuse a journal with a bad line inside; cut a torn last line. Returns the bytes cut."""
+RECORD_START = b'{"op_code":'  # how Optuna's journal writes every record
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        log = json.loads(line)
+    except ValueError:  # not JSON, not UTF-8
+        return False
+    return isinstance(log, dict) and "op_code" in log
+
+
+def _refuse_non_journal(path: str) -> None:
+    """Refuse a file whose first line is no journal record: it is no journal (a YAML profile, a
+    log), and a repair would keep 0 records of it. An empty file is an empty journal."""
+    with open(path, "rb") as f:
+        first = f.readline()
+    if first.endswith(b"\n"):
+        ours = _is_record(first)
+    else:  # the whole file is one unterminated line: a torn first write begins as every record does
+        ours = first[:len(RECORD_START)] == RECORD_START[:len(first)]
+    if not ours:
+        raise StudyError(f"storage {path}: not an Optuna journal file (line 1 is not a journal record)")
+
+
+def check_journal(path: str, *, cut: bool = True) -> int:
+    """Refuse a file that is no journal, or a journal with a bad line inside; cut a torn last line
+    (``cut=False``, a reader: take no lock and leave it, Optuna's reader skips it). Returns the
+    bytes cut."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return 0
-    with journal_lock(path):
-        cut = _cut_torn_tail(path)
+    _refuse_non_journal(path)  # before cutting: a file that is not ours keeps its last line
+    with journal_lock(path) if cut else contextlib.nullcontext():
+        removed = _cut_torn_tail(path) if cut else 0
         with open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
-                try:
-                    json.loads(line)
-                except ValueError:
+                if not line.endswith(b"\n"):  # a torn tail (cut=False), or a writer's line under way
+                    break
+                if not _is_record(line):
                     raise StudyError(
                         f"storage {path}: line {number} is not a journal record (a write cut short by a "
                         f"full disk or a crash, then appended to); keep the {number - 1} records before it "
                         f"with `spectune status --storage {path} --repair` (the file is kept as a backup)"
-                    ) from None
-    return cut
+                    )
+    return removed
 
 
 def repair_journal(path: str) -> tuple[int, int, Path]:
@@ -157,6 +188,7 @@ def repair_journal(path: str) -> tuple[int, int, Path]:
 
     if not os.path.exists(path):
         raise StudyError(f"storage {path}: no such journal file")
+    _refuse_non_journal(path)  # before the lock: a file that is no journal is left as it is
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
     backup = Path(f"{path}.bad-{stamp}")
     with journal_lock(path):
@@ -164,11 +196,7 @@ def repair_journal(path: str) -> tuple[int, int, Path]:
         lines = data.splitlines(keepends=True)
         kept = 0
         for line in lines:
-            try:
-                if not line.endswith(b"\n"):
-                    raise ValueError
-                json.loads(line)
-            except ValueError:
+            if not (line.endswith(b"\n") and _is_record(line)):
                 break
             kept += 1
         backup.write_bytes(data)
@@ -183,11 +211,12 @@ def repair_journal(path: str) -> tuple[int, int, Path]:
 def open_storage(storage: str | Path | optuna.storages.BaseStorage | None, *,
                  heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S,
                  on_stale: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                 ) -> optuna.storages.BaseStorage:
+                 create: bool = True) -> optuna.storages.BaseStorage:
     """None -> in memory; sqlite:/postgresql: URL -> RDBStorage with heartbeats; a path -> journal.
 
     ``on_stale(study, trial)`` runs after ``fail_stale_trials`` failed a trial whose heartbeat
     stopped (RDB only: the journal has no heartbeat; its dead workers are found by process id).
+    ``create=False`` (a reader): a journal or SQLite file must exist, and opening writes nothing.
     """
     if storage is None:
         return optuna.storages.InMemoryStorage()
@@ -198,9 +227,15 @@ def open_storage(storage: str | Path | optuna.storages.BaseStorage | None, *,
         if "://" in text:
             if not text.startswith(RDB_PREFIXES):
                 raise StudyError(f"storage: unsupported URL {text!r} (postgresql://, sqlite:/// or a journal file)")
+            db = text[len("sqlite:///"):].split("?")[0] if text.startswith("sqlite:///") else ""
+            if not create and db not in ("", ":memory:") and not os.path.exists(db):
+                raise StudyError(f"storage {text}: no such database file")  # SQLite would create it
             return _open_rdb(text, heartbeat_s, grace_s, on_stale)
-        Path(text).parent.mkdir(parents=True, exist_ok=True)
-        check_journal(text)
+        if not create and not os.path.exists(text):
+            raise StudyError(f"storage {text}: no such journal file")  # Optuna's backend would create it
+        if create:
+            Path(text).parent.mkdir(parents=True, exist_ok=True)
+        check_journal(text, cut=create)
         return optuna.storages.JournalStorage(SafeJournalFileBackend(text))
     except StudyError:
         raise
@@ -212,9 +247,11 @@ def open_storage(storage: str | Path | optuna.storages.BaseStorage | None, *,
 def _open_rdb(url: str, heartbeat_s: int, grace_s: int,
               on_stale: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None) -> optuna.storages.RDBStorage:
     def build() -> optuna.storages.RDBStorage:
-        return optuna.storages.RDBStorage(
-            url, engine_kwargs={"pool_pre_ping": True} if url.startswith("postgresql") else None,
-            heartbeat_interval=heartbeat_s, grace_period=grace_s, heartbeat_stale_trial_callback=on_stale)
+        with warnings.catch_warnings():  # the heartbeat arguments: experimental since Optuna 2.9, stable in use
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs={"pool_pre_ping": True} if url.startswith("postgresql") else None,
+                heartbeat_interval=heartbeat_s, grace_period=grace_s, heartbeat_stale_trial_callback=on_stale)
 
     if not url.startswith("postgresql"):
         return build()

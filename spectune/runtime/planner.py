@@ -499,6 +499,25 @@ class Planner:
             return Plan(0, 0, plain_tier)
         return Plan(k, budget, tier)
 
+    def uniform_k(self, batch_size: int) -> int:
+        """The K an engine that drafts every request alike (vLLM, SGLang, TensorRT-LLM: no verify
+        budget, no tiers) runs at ``batch_size`` past the table's rows, by ``_plan_outside``'s rule:
+        the last row's K (the controller's choice there), cut to what the largest tier holds for
+        every request, while the cost model at the estimate's point rates says it beats plain
+        decoding; else 0. Inside the rows: the row's K. Read only (no ``clamped`` count)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size <= self.max_batch:
+            return self._table[batch_size].k
+        k = min(self._s.choice[self.max_batch].k, (self.tiers[-1] - batch_size) // batch_size)
+        if k <= 0:
+            return 0
+        plain_tier = smallest_tier(self.tiers, batch_size)
+        tier = smallest_tier(self.tiers, batch_size * (k + 1))
+        assert plain_tier is not None and tier is not None  # batch_size * (k + 1) <= tiers[-1]
+        gain = _tokens(self._sums(-1), batch_size, batch_size * k) * step_ms(self.cost, batch_size, 0, plain_tier)
+        return k if gain > batch_size * step_ms(self.cost, batch_size, k, tier) else 0
+
     def observe(self, accepted_per_pos: Any, tested_per_pos: Any) -> None:
         """Add one step's counters (a K = 0 step observes nothing: time still passes). The counts
         are summed per block of ``decide_every`` steps and folded into the decayed estimate at

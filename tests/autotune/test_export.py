@@ -10,6 +10,7 @@ from spectune.autotune.export import (
     engine_k,
     export_schedule,
     export_sglang,
+    export_table,
     export_trtllm,
     export_vllm,
     import_sglang,
@@ -25,6 +26,7 @@ from spectune.autotune.export_sglang import cuda_graph_bs_for, default_cuda_grap
 from spectune.autotune.export_trtllm import draft_len_trtllm
 from spectune.autotune.export_vllm import lookup_vllm
 from spectune.cli import main
+from spectune.runtime.planner import Planner
 from spectune.runtime.table import read_table
 
 DATA = Path(__file__).parent / "data"
@@ -75,6 +77,29 @@ def test_shipped_tables_give_the_policy_k_at_every_batch(policy, fmt, method, mo
     got = [engine_k(exp, b) for b in range(1, 1025)]
     want = [_k_at(schedule, b) for b in range(1, 1025)]
     assert got == want
+
+
+@pytest.mark.parametrize("policy", SHIPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("fmt", ["vllm", "trtllm"])
+def test_past_the_rows_the_export_runs_what_the_runtime_planner_runs(policy, fmt):
+    # a table tuned to batch 256 exported for an engine that admits 1024: past the rows the engine
+    # gets the runtime's own K there (the last row's while the cost model says it pays), not 0
+    # while `spectune simulate` and the runtime draft, nor a K they would not run
+    table = read_table(policy)
+    planner = Planner(table)
+    exp = export_table(table, fmt, method="eagle3", model="/models/eagle3", max_batch=1024)
+    got = [engine_k(exp, b) for b in range(1, 1025)]
+    assert got == [planner.uniform_k(b) for b in range(1, 1025)]
+    last = table.workload.max_batch
+    assert got[last] == planner.uniform_k(last + 1)
+
+
+def test_vllm_default_export_covers_max_num_seqs_with_the_planners_k():
+    table = read_table(SHIPPED[0])
+    exp = export_table(table, "vllm", method="ngram")
+    planner = Planner(table)
+    assert exp.max_batch == 1024
+    assert [engine_k(exp, b) for b in range(1, 1025)] == [planner.uniform_k(b) for b in range(1, 1025)]
 
 
 def test_vllm_tail_stops_drafting_past_the_policy():
@@ -242,6 +267,20 @@ def test_cli_export_stdout(capsys):
     cfg = json.loads(out.out)
     assert cfg["num_speculative_tokens_per_batch_size"] == [[1, 8, 7], [9, 16, 4], [17, 32, 2], [33, 1024, 0]]
     assert "server flags: --speculative-config" in out.err and "--max-num-seqs 1024" in out.err
+
+
+def test_cli_export_notes_what_the_table_did_not_measure(tmp_path, capsys):
+    assert main(["export", str(POLICY), "--format", "vllm", "--method", "eagle3", "--drafter-model", "/m/e"]) == 0
+    assert "note:" not in capsys.readouterr().err  # an EAGLE-3 drafter for an eagle-1l table
+    assert main(["export", str(POLICY), "--format", "vllm", "--method", "suffix"]) == 0
+    err = capsys.readouterr().err
+    assert "note:" in err and "--method suffix runs a n-gram drafter, but the table was tuned for eagle-1l" in err
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text(POLICY.read_text().replace("gpu: NVIDIA H200", "gpu: cpu").replace("target: qwen3-8b", "target: tiny"))
+    assert main(["export", str(cpu), "--format", "trtllm", "--method", "mtp"]) == 0
+    err = capsys.readouterr().err
+    assert "measured on cpu with target tiny: its K are not a GPU's" in err
+    assert "runs a mtp drafter, but the table was tuned for eagle-1l" in err
 
 
 def test_cli_export_without_method_is_one_line(capsys):

@@ -1,5 +1,6 @@
 import zlib
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
@@ -398,6 +399,77 @@ def test_status_counts_points_and_workers(tmp_path):
     run(p, FakeRoofline(), journal)
     (st,) = study_status(journal, "test")
     assert st.complete and st.remaining == 0 and sum(w.done for w in st.workers) == p.total_points
+
+
+def test_status_line_names_every_planned_point(tmp_path, capsys):
+    from spectune.autotune.study_status import study_status
+    from spectune.cli import main
+
+    journal = str(tmp_path / "s.journal")
+    p = plan(batch_sizes=(1, 2, 3, 4), max_k=2, adaptive_trials=12, held_out=3)
+    run(p, FakeRoofline(infeasible_batch=3), journal)  # batch 4 does not fit; the small grid leaves no point to pick
+    (st,) = study_status(journal)
+    assert st.complete and st.not_needed > 0 and st.infeasible > 0
+    assert st.done + st.remaining + len(st.given_up) + st.not_needed == st.total == p.total_points
+    assert main(["status", "--storage", journal]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert (f"{st.done} done ({st.infeasible} infeasible), 0 claimed, 0 waiting, 0 remaining of {st.total}, "
+            f"{st.not_needed} not needed (the adaptive phase ended early); complete") in line
+
+
+SHIPPED_PROFILE = Path(__file__).resolve().parents[2] / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.yaml"
+
+
+@pytest.mark.parametrize("content", [SHIPPED_PROFILE.read_bytes(), b"schema: x\nfoo: 1", b"1\n", b"notes"],
+                         ids=["profile", "unterminated", "json-not-a-record", "one-word"])
+def test_a_file_that_is_no_journal_is_refused_and_left_as_it_is(tmp_path, capsys, content):
+    from spectune.autotune.measurement_study import StudyError
+    from spectune.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_bytes(content)
+    for argv in (["status", "--storage", str(path)], ["status", "--storage", str(path), "--repair"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == f"spectune status: error: storage {path}: not an Optuna journal file (line 1 is not a journal record)\n"
+    with pytest.raises(StudyError, match="not an Optuna journal file"):  # a writer never cuts its last line
+        run(small(), FakeRoofline(), str(path))
+    assert path.read_bytes() == content
+    assert [f.name for f in tmp_path.iterdir()] == ["p.yaml"]  # no backup, no lock file
+
+
+def test_status_writes_nothing_and_needs_an_existing_storage(tmp_path, capsys):
+    from spectune.cli import main
+
+    missing = tmp_path / "nodir" / "x.journal"
+    for argv in (["status", "--storage", str(missing)], ["status", "--storage", str(missing), "--repair"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"spectune status: error: storage {missing}: no such journal file\n"
+    url = f"sqlite:///{tmp_path / 'none.db'}"
+    assert main(["status", "--storage", url]) == 2
+    assert capsys.readouterr().err == f"spectune status: error: storage {url}: no such database file\n"
+    assert list(tmp_path.iterdir()) == []  # no folder, no file, no lock file
+    journal = tmp_path / "s.journal"
+    run(small(), FakeRoofline(), str(journal))
+    with open(journal, "ab") as f:
+        f.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 3, "user_at')  # a writer's line under way
+    (journal.parent / "s.journal.flock").unlink()  # the writers' lock files: a reader makes none
+    (journal.parent / "s.journal.claim.lock").unlink()
+    files = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    assert main(["status", "--storage", str(journal)]) == 0
+    assert "complete" in capsys.readouterr().out
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == files  # the torn tail is its writer's to cut
+
+
+def test_sqlite_storage_opens_without_optuna_experimental_warning(tmp_path):
+    import warnings
+
+    from spectune.autotune.study_storage import open_storage
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        open_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    assert not [w for w in caught if issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
 
 
 def test_seed_has_odd_token_counts_never_held_out():

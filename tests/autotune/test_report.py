@@ -214,6 +214,25 @@ def test_cost_model_point_errors_match_the_known_wobble():
     assert p.ms is not None and predicted_ms(model, p) == pytest.approx(p.ms / 1.03)
 
 
+def test_cost_plot_of_many_batch_sizes_keeps_its_axes():
+    # a real profile measures dozens of batch sizes: a legend entry per batch outgrew the panel,
+    # constrained layout gave up (a raw UserWarning on stderr) and squashed the axes to a strip
+    import warnings
+
+    from spectune.autotune.report_plots import cost_png
+
+    tab = make_table()
+    model = CostModel(tab.costs.model, "autoregressive", 2048)
+    many = [Point("target", b, b * q, model.target_ms(b * q, b), q=q) for b in range(1, 29) for q in (1, 4)]
+    many += [Point("drafter", b, b * 3, model.drafter_ms(b, 3), k=3) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    tab = replace(tab, costs=replace(tab.costs, points=[*tab.costs.points, *many]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = cost_png(tab)
+    with Image.open(io.BytesIO(png)) as im:
+        assert im.format == "PNG" and im.size == (round(4.6 * 4 * 100), 380)
+
+
 # ---------------------------------------------------------------------------------------------
 # warnings, tolerance, other inputs
 
@@ -263,6 +282,45 @@ def test_goodput_alias_and_throttled_profile_points(tmp_path):
     assert table_warnings(load_inputs([DATA / "policy_small.yaml"]).tables[0]) == []
 
 
+@pytest.mark.parametrize("prompt_len", [None, 64])
+def test_simulate_json_is_reported_as_a_simulation(tmp_path, capsys, prompt_len):
+    # `spectune simulate --json` writes output_tok_s: null without --prompt-len (not measured):
+    # the report shows its goodput as decode tok/s and leaves the end-to-end table out
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    argv = ["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "2,4",
+            "--arms", "plain,fixed:2,auto", "--requests", "8", "--repeats", "1", "--json"]
+    assert main(argv + ([] if prompt_len is None else ["--prompt-len", str(prompt_len)])) == 0
+    sim = tmp_path / "sim.json"
+    sim.write_text(capsys.readouterr().out)
+    data = json.loads(sim.read_text())
+    assert main(["report", str(sim), "--out", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text(encoding="utf-8")
+    assert "## Simulation: sim.json" in md and "## Bench" not in md
+    assert "- **acceptance**: curve:0.5,0.25,0.12" in md  # the simulation's settings as its header
+    goodput = {r["arm"]: r["goodput_tok_s"] for r in data["rows"] if r["concurrency"] == 4}
+    assert _md_row(md.split("### A/B: output")[0], "4")[1] == f"{goodput['plain']:.1f}"  # decode table
+    assert ("### A/B: output tok/s" in md) == (prompt_len is not None)
+    if prompt_len is not None:
+        e2e = {r["arm"]: r["output_tok_s"] for r in data["rows"] if r["concurrency"] == 4}
+        assert _md_row(md.split("### A/B: output")[1], "4")[1] == f"{e2e['plain']:.1f}"
+    (rs,) = load_inputs([sim]).results
+    assert rs.kind == "sim" and {r.output_tok_s is None for r in rs.rows} == {prompt_len is None}
+
+
+def test_null_output_is_a_dash_where_other_rows_have_it():
+    rs = _rs([{"concurrency": 1, "arm": "plain", "output_tok_s": None, "decode_tok_s": 5.0},
+              {"concurrency": 1, "arm": "auto", "output_tok_s": 8.0, "decode_tok_s": 9.0},
+              {"concurrency": 2, "arm": "auto", "output_tok_s": None, "decode_tok_s": 9.0,
+               "predicted_tok_s": 10.0}])
+    t = ab_table(rs)
+    assert t.rows[0] == (("1", False), ("–", False), ("8.0", True), ("–", False), ("–", False))
+    assert t.rows[1] == (("2", False), ("–", False), ("–", False), ("–", False), ("–", False))
+    pred = prediction_table(rs)
+    assert pred is not None and pred[0].rows[0][2:] == (("9.0", False), ("10.0", False), ("+11.1%", False))
+
+
 def write_report_and_list(out, paths):
     report = build_report(load_inputs(paths))
     return report, write_report(report, out)
@@ -299,6 +357,9 @@ def _bad_rows(mutate):
 
 @pytest.mark.parametrize("text, field", [
     (_bad_rows(lambda d: d["rows"][2].update(output_tok_s="fast")), "rows[2].output_tok_s"),
+    (_bad_rows(lambda d: d["rows"][2].update(output_tok_s=None)), "rows[2].output_tok_s: must not be null"),
+    ('{"rows": [{"concurrency": 1, "arm": "plain", "goodput_tok_s": null, "output_tok_s": null}]}',
+     "rows[0].output_tok_s: must not be null"),
     (_bad_rows(lambda d: d["rows"][0].pop("arm")), "rows[0].arm: missing"),
     (_bad_rows(lambda d: d["rows"][3].update(concurrency=0)), "rows[3].concurrency"),
     (_bad_rows(lambda d: d["rows"][4].update(k_hist={"seven": 3})), "rows[4].k_hist.seven"),

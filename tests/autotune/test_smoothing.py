@@ -72,6 +72,8 @@ def test_search_smoothing_bounds_loss_and_keeps_rows_honest(tol):
     res = search_policy(cost, ACC, max_batch=64, max_k=6, capture=CAPTURE, trials=4, seed=2, smooth=tol)
     raw = search_policy(cost, ACC, max_batch=64, max_k=6, capture=CAPTURE, trials=4, seed=2, smooth=0.0)
     assert res.smooth_loss <= tol + 1e-12
+    assert raw.raw_rows == len(raw.policy.rows)  # smoothing 0 keeps the rows (counted over the same tiers)
+    assert len(res.policy.rows) <= res.raw_rows
     runs = lambda ch: 1 + sum(a.k != b.k for a, b in zip(ch, ch[1:], strict=False))  # noqa: E731
     assert runs(res.choices) <= runs(raw.choices)
     for c, r in zip(res.choices, raw.choices, strict=True):

@@ -227,6 +227,31 @@ def test_cli_warning_tells_hard_mismatches_from_near_ties(tmp_path, capsys, monk
     assert "fixed:3" in out
 
 
+def test_cli_prints_auto_over_plain_once_where_plain_is_the_best_other(tmp_path, capsys, monkeypatch):
+    # "auto / plain = 0.939 [...], auto / plain = 0.939 [...]" read as two findings
+    row = {"concurrency": 1, "arm": "plain", "output_tok_s": 1.0, "decode_tok_s": 2.0, "predicted_tok_s": None,
+           "predicted_tok_s_at_measured_accept": None, "itl_p50_ms": None, "itl_p99_ms": None,
+           "mean_accept_len": None, "mean_accept_len_clean": None, "joules_per_token": None, "completed": 4,
+           "failed": 0, "mismatches": 0, "hard_mismatches": 0, "near_tie_mismatches": 0}
+    head = {"gpu": "g", "target": "t", "drafter": "d", "prompt_len": 8, "max_new_tokens": 8, "acceptance": "a",
+            "dtype": "float32", "near_tie_tolerance": str(NEAR_TIE["float32"])}
+    ratios = [{"concurrency": 1, "best_other": "plain", "vs_best_other": 0.939, "vs_best_other_ci95": [0.9, 0.97],
+               "vs_plain": 0.939, "vs_plain_ci95": [0.9, 0.97]},
+              {"concurrency": 8, "best_other": "fixed:3", "vs_best_other": 0.98, "vs_best_other_ci95": [0.96, 1.0],
+               "vs_plain": 1.5, "vs_plain_ci95": [1.4, 1.6]}]
+    summary = {"arms": [], "ratios": ratios}
+    monkeypatch.setattr(bench, "run_bench", lambda config, on_row=None: {
+        "header": head, "rows": [row], "summary": summary, "summary_full_load": summary})
+    policy = write_policy(tmp_path / "policy.yaml")
+    assert main(["bench", "--policy", str(policy), "--out", str(tmp_path / "r.json"), "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "c=1: auto / plain = 0.939 [0.900, 0.970]" in lines
+    assert "c=8: auto / fixed:3 = 0.980 [0.960, 1.000], auto / plain = 1.500 [1.400, 1.600]" in lines
+    full = [line for line in lines if "at full load" in line]
+    assert len(full) == 2 and full[0].endswith("): auto / plain = 0.939 [0.900, 0.970]")
+    assert full[1].endswith("auto / plain = 1.500 [1.400, 1.600]")
+
+
 def test_accept_scale_for_finds_the_measured_length():
     def length(s):  # 1 + s + s^2 for s <= 1, flat after: K = 2 at conditional rate s
         s = min(s, 1.0)
@@ -284,3 +309,17 @@ def test_bench_table_shows_end_to_end_beside_its_prediction(tmp_path, capsys):
     cells = lines[head + 1].split()
     assert float(cells[3]) == pytest.approx(row["output_tok_s"], abs=0.06)
     assert float(cells[4]) == pytest.approx(row["predicted_output_tok_s"], abs=0.06)
+
+
+def test_a_gpu_table_benched_on_cpu_says_what_ran(tmp_path, capsys):
+    from pathlib import Path
+
+    policy = Path(__file__).parents[2] / "spectune" / "profiles" / "nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml"
+    out = tmp_path / "r.json"
+    assert main(["bench", "--policy", str(policy), "--out", str(out), "--concurrency", "1", "--arms", "plain",
+                 "--repeats", "1", "--prompts", "1", "--max-new-tokens", "2", "--prompt-len", "4", "--device", "cpu",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "note: on CPU the bench serves the `tiny` target in float32, not qwen3-8b" in err
+    assert "NVIDIA H200 figures" in err
+    assert json.loads(out.read_text())["header"]["target"] == "tiny"

@@ -58,15 +58,22 @@ def test_beyond_max_batch_is_clamped_and_counted():
         p.plan(0)
 
 
+KNEE_TIERS = [4, 8, 16, 32, 48, 64, 128, 256]
+
+
+def knee_table():
+    """Rows to batch 16 (K 4, then K 2) over a target that turns compute-bound at 24 tokens."""
+    params = make_params((5.0, 0.01, 24, 0.2, 20.0), (0.0, 0.4, 0.001), (0.05, 0.0))
+    rows = [Row((1, 8), 4, 32), Row((9, 16), 2, 32)]
+    return make_profile(params, make_workload(6, 16, target="t", context_len=1024), hardware="NVIDIA H200",
+                        policy=make_policy(KNEE_TIERS, rows, min_k=1, max_k=6, prior=[0.8] * 6))
+
+
 def test_beyond_max_batch_drafts_only_where_the_cost_model_says_it_pays():
     # the last row drafts K 2; past its range the target turns compute-bound (knee 24 tokens), so
     # K 2 still pays just above the range and costs more than it gives at batch 64
-    params = make_params((5.0, 0.01, 24, 0.2, 20.0), (0.0, 0.4, 0.001), (0.05, 0.0))
-    rows = [Row((1, 8), 4, 32), Row((9, 16), 2, 32)]
-    tiers = [4, 8, 16, 32, 48, 64, 128, 256]
-    table = make_profile(params, make_workload(6, 16, target="t", context_len=1024), hardware="NVIDIA H200",
-                         policy=make_policy(tiers, rows, min_k=1, max_k=6, prior=[0.8] * 6))
-    p = Planner(table)
+    tiers = KNEE_TIERS
+    p = Planner(knee_table())
     sums = _survival_sums([0.8] * 6)
     for b, expect_k in ((17, 2), (64, 0)):
         drafting = _tokens(sums, b, 2 * b) / step_ms(p.cost, b, 2, min(t for t in tiers if t >= 3 * b))
@@ -76,6 +83,28 @@ def test_beyond_max_batch_drafts_only_where_the_cost_model_says_it_pays():
         assert plan.k == expect_k
         assert plan == (Plan(2, 2 * b, 64) if expect_k else Plan(0, 0, 64))
     assert p.clamped == 2 and p.uncaptured == 0
+
+
+def test_uniform_k_is_the_row_k_then_the_outside_rule_for_an_engine_that_drafts_every_request():
+    # an engine without a verify budget (vLLM, SGLang, TensorRT-LLM) runs K drafts for every
+    # request: past the rows, the last row's K while it pays and fits the largest tier for all
+    tiers = KNEE_TIERS
+    p = Planner(knee_table())
+    assert [p.uniform_k(b) for b in (1, 8, 9, 16)] == [4, 4, 2, 2]
+    sums = _survival_sums([0.8] * 6)
+    seen = set()
+    for b in range(17, 300):
+        k = min(2, (256 - b) // b)
+        pays = k > 0 and _tokens(sums, b, k * b) * step_ms(p.cost, b, 0, min(t for t in tiers if t >= b)) \
+            > b * step_ms(p.cost, b, k, min(t for t in tiers if t >= (k + 1) * b))
+        assert p.uniform_k(b) == (k if pays else 0), b
+        seen.add(p.uniform_k(b))
+        if p.uniform_k(b) == 2:  # where the runtime drafts K for every request, it plans the same
+            assert p.plan(b) == Plan(2, 2 * b, min(t for t in tiers if t >= 3 * b))
+    assert seen == {0, 2}  # both verdicts occur past the rows
+    assert p.clamped == sum(1 for b in range(17, 300) if p.uniform_k(b) == 2)  # uniform_k counts nothing
+    with pytest.raises(ValueError, match="batch_size"):
+        p.uniform_k(0)
 
 
 def test_load_and_gpu_mismatch(tmp_path):
