@@ -6,7 +6,8 @@
 
 Each mode is a ``spectune bench`` run (``run_bench``, the fused decoder) on the same prompts and
 served acceptance; ``mixed:N`` is ``--mixed-prefill --prefill-budget N`` (an admission of more
-than N prompt tokens at once takes separate forwards), ``mixed:N:all`` lets every prompt ride; a
+than N prompt tokens at once takes separate forwards), ``mixed:N:rR`` the same with the ride limit
+R (``--ride-limit R``: more than R at once separate), ``mixed:N:all`` lets every prompt ride; a
 last part ``:pM`` caps the prompt pieces a riding step carries at M (``--ride-pieces``, default
 16; ``mixed:256:all:p64`` at concurrency <= 64 is the engine before the cap, whose pieces'
 attention launch had a slot per engine row); a last part ``:plan`` runs auto's riding steps at
@@ -48,7 +49,7 @@ RIDE_ALL = 1 << 30  # a ride limit no admission passes: every prompt rides
 def parse_mode(text: str) -> tuple[str, int | None, int | None, int, bool]:
     """(name, budget, ride limit, pieces a step, ride-aware): separate -> no budget; mixed:N ->
     budget N, bursts of more than N prompt tokens separate (the engine's default); mixed:N:all ->
-    every prompt rides; a part pM caps the pieces a step carries at M (default ``RIDE_PIECES``);
+    every prompt rides; mixed:N:rR -> bursts of more than R separate; a part pM caps the pieces a step carries at M (default ``RIDE_PIECES``);
     a last part ``plan`` runs auto's riding steps at ``plan(batch)`` (the rule before
     ``Planner.plan_ride``: the A/B of it in one call)."""
     if text == "separate":
@@ -60,11 +61,13 @@ def parse_mode(text: str) -> tuple[str, int | None, int | None, int, bool]:
     pieces = RIDE_PIECES
     if len(parts) > 2 and parts[-1][:1] == "p" and parts[-1][1:].isdigit() and int(parts[-1][1:]) >= 1:
         pieces = int(parts.pop()[1:])
+    limit = parts[2] if len(parts) == 3 else ""  # all, or rR: a ride limit of R prompt tokens
     if not (parts[0] == "mixed" and len(parts) in (2, 3) and parts[1].isdigit() and int(parts[1]) >= 1
-            and parts[2:] in ([], ["all"])):
-        raise SystemExit(f"--modes: {text!r} is not separate or mixed:N[:all][:pM][:plan] (N >= 1 prompt tokens "
-                         "a step, M >= 1 pieces a step)")
-    return text, int(parts[1]), RIDE_ALL if parts[2:] == ["all"] else None, pieces, aware
+            and (len(parts) == 2 or limit == "all" or (limit[:1] == "r" and limit[1:].isdigit() and int(limit[1:]) >= 1))):
+        raise SystemExit(f"--modes: {text!r} is not separate or mixed:N[:all|:rR][:pM][:plan] (N >= 1 prompt tokens "
+                         "a step, R >= 1 the ride limit, M >= 1 pieces a step)")
+    ride = RIDE_ALL if limit == "all" else int(limit[1:]) if limit else None
+    return text, int(parts[1]), ride, pieces, aware
 
 
 def mean_rows(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, float]]:

@@ -183,6 +183,7 @@ def test_targets_tables_tune_stage_on_the_shipped_h200_profile(tmp_path):
     """The tune stage alone, on the shipped H200 profile as its input: both policies validate and
     all three exports succeed; vLLM's own lookup of the export gives the policy's K at every batch."""
     from spectune.autotune.export_vllm import lookup_vllm
+    from spectune.runtime.planner import Planner
     from spectune.runtime.table import read_table
 
     mod = load("targets_tables")
@@ -208,7 +209,8 @@ def test_targets_tables_tune_stage_on_the_shipped_h200_profile(tmp_path):
         ks = lookup_vllm(cfg, 1024)
         for row in table.policy.rows:
             assert ks[row.batch[0]: row.batch[1] + 1] == [row.k] * (row.batch[1] - row.batch[0] + 1)
-        assert set(ks[table.workload.max_batch + 1:]) == {0}
+        planner = Planner(table)  # past the rows: the runtime planner's own K there (Planner.uniform_k)
+        assert ks[table.workload.max_batch + 1:] == [planner.uniform_k(b) for b in range(table.workload.max_batch + 1, 1025)]
     assert res["policies"]["cpu_qwen3-8b_eagle-1l.ctx320.policy.yaml"]["step_ms"]["1"] == pytest.approx(
         res["policies"]["cpu_qwen3-8b_eagle-1l.policy.yaml"]["step_ms"]["1"])
 
@@ -488,10 +490,11 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
     mod = load("mixed_prefill")
     policy = Path(__file__).resolve().parent.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"
     assert mod.main(["--out-dir", str(tmp_path), "--policy", str(policy), "--device", "cpu", "--no-fused",
-                     "--modes", "separate,mixed:8,mixed:8:all:p1,mixed:8:all:plan", "--concurrency", "2", "--repeats", "1",
+                     "--modes", "separate,mixed:8,mixed:8:r12,mixed:8:all:p1,mixed:8:all:plan", "--concurrency", "2",
+                     "--repeats", "1",
                      "--prompt-len", "6", "--max-new-tokens", "4"]) == 0
     table = json.loads((tmp_path / "mixed_prefill.json").read_text())
-    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:all:p1", "mixed:8:all:plan"}
+    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:r12", "mixed:8:all:p1", "mixed:8:all:plan"}
     for mode, cells in table["modes"].items():
         for arm in ("plain", "auto"):
             cell = cells[f"2/{arm}"]
@@ -503,6 +506,9 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
             assert all(r["mixed_prefill_tokens"] == 0 and r["prefill_forwards"] > 0 for r in rows)
         elif mode == "mixed:8":  # two 6-token prompts admitted at once pass the ride limit of 8: apart
             assert bench["header"]["ride_limit"] == 8 and all(r["prefill_forwards"] > 0 for r in rows)
+        elif mode == "mixed:8:r12":  # the same two prompts (12 tokens) within a ride limit of 12: they ride
+            assert bench["header"]["ride_limit"] == 12 and bench["header"]["prefill_budget"] == 8
+            assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
         else:  # every prompt rides (one piece a step with p1)
             assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
             assert bench["header"]["ride_pieces"] == (1 if mode.endswith(":p1") else 16)
@@ -513,7 +519,8 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mode", ["mixed", "mixed:0", "mixed:8:some", "mixed:8:", "fused", "mixed:8:p0",
-                                  "mixed:8:all:p", "mixed:p4", "mixed:plan", "mixed:8:plan:p4"])
+                                  "mixed:8:all:p", "mixed:p4", "mixed:plan", "mixed:8:plan:p4", "mixed:8:r0",
+                                  "mixed:8:r", "mixed:8:rx"])
 def test_mixed_prefill_refuses_a_bad_mode(tmp_path, mode):
     mod = load("mixed_prefill")
     with pytest.raises(SystemExit, match="--modes"):
