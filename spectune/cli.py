@@ -45,8 +45,8 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                         "Hugging Face checkpoint folder (config.json gives the shapes); default tiny, "
                         "or the joined study's")
     g.add_argument("--drafter", default=None, type=nonempty,
-                   help="eagle-<N>l (autoregressive EAGLE/MTP-style, N decoder layers) or "
-                        "dflash-<N>l (parallel block drafter); default eagle-1l, or the joined study's")
+                   help="eagle-<N>l or mtp-<N>l (autoregressive, N decoder layers) or dflash-<N>l "
+                        "(parallel block drafter); default eagle-1l, or the joined study's")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
     g.add_argument("--dtype", default=None, choices=DTYPES,
                    help="default bfloat16 on CUDA, float32 on CPU; fp8: the target's projections in "
@@ -295,6 +295,9 @@ def _polled_acceptance(args: argparse.Namespace):
 
     if args.scrape_every is None or args.scrape_for is None:
         raise UsageError("--scrape-every and --scrape-for go together")
+    for name, value in (("--scrape-every", args.scrape_every), ("--scrape-for", args.scrape_for)):
+        if not value > 0:
+            raise UsageError(f"{name}: must be > 0 seconds, got {value:g}")
     paths, model, ks = split_spec(args.acceptance or "")
     if len(paths) != 1 or not paths[0].lower().startswith(("http://", "https://")):
         raise UsageError("--scrape-every needs --acceptance http(s)://HOST:PORT/metrics (one URL)")
@@ -588,21 +591,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"{r['hard_mismatches']:>5} {r['near_tie_mismatches']:>5}"
               f"{'  TIMED OUT' if r.get('timed_out') else ''}", flush=True)
 
-    cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
-    if cpu and args.target is None:
-        from spectune.runtime.table import read_table
-
-        table = read_table(args.policy)
-        if table.workload.target != "tiny":
-            print(f"note: on CPU the bench serves the `tiny` target in float32, not {table.workload.target}: it checks "
-                  f"that the engine runs; the pred columns are the table's {table.hardware.gpu} figures",
-                  file=sys.stderr)
     first_row: dict = {}
     try:
         results = run_bench(config, on_row=show)
     except OSError as exc:
         raise UsageError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
     head = results["header"]
+    if head["target"] == "tiny" and head["gpu"] == "cpu" and args.target is None:  # (after the run: an error
+        from spectune.runtime.table import read_table  # stays the one line)
+
+        table = read_table(args.policy)
+        if table.workload.target != "tiny":
+            print(f"note: on CPU the bench serves the `tiny` target in float32, not {table.workload.target}: it checks "
+                  f"that the engine runs; the pred columns are the table's {table.hardware.gpu} figures",
+                  file=sys.stderr)
     print(f"{head['gpu']}: {head['target']} + {head['drafter']}, {head['dtype']}, prompt {head['prompt_len']}, "
           f"{head['max_new_tokens']} new tokens, acceptance {head['acceptance']} "
           f"(tuned on {head.get('tuned_acceptance')})")

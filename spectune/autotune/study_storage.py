@@ -240,7 +240,8 @@ def open_storage(storage: str | Path | optuna.storages.BaseStorage | None, *,
     except StudyError:
         raise
     except Exception as exc:  # driver missing, unreachable database, unwritable folder
-        hint = ' (pip install "spectune[postgres]")' if "psycopg" in str(exc) else ""
+        # the driver is missing (not a database that said no: an unknown host names psycopg too)
+        hint = ' (pip install "spectune[postgres]")' if isinstance(exc, ImportError) or "No module named" in str(exc) else ""
         raise StudyError(f"storage: cannot open {text!r}: {exc}".splitlines()[0] + hint) from None
 
 

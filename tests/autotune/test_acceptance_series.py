@@ -162,3 +162,13 @@ def test_cli_tune_polls_a_url(tmp_path, capsys):
         server.shutdown()
     assert main(["tune", profile, "--acceptance", "curve:0.8", "--scrape-every", "1", "--scrape-for", "2",
                  "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("every, for_s, bad", [("-1", "2", "--scrape-every"), ("1", "0", "--scrape-for")])
+def test_cli_scrape_times_must_be_positive_before_anything_is_polled(tmp_path, capsys, every, for_s, bad):
+    out = tmp_path / "policy.yaml"
+    assert main(["tune", "tests/autotune/data/policy_small.yaml", "--acceptance", "http://127.0.0.1:9/metrics",
+                 "--scrape-every", every, "--scrape-for", for_s, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}: must be > 0 seconds" in err and "scraping" not in err
+    assert not out.exists()

@@ -222,6 +222,28 @@ def test_bad_storage_url_names_storage():
         open_storage("redis://localhost/0")
 
 
+def test_an_unreachable_database_is_not_taken_for_a_missing_driver(monkeypatch):
+    import builtins
+
+    from spectune.autotune.measurement_study import StudyError, open_storage
+
+    pytest.importorskip("psycopg")
+    url = "postgresql://u@nonexistent-host.invalid/db"
+    with pytest.raises(StudyError, match="cannot open") as err:  # the driver is there: the host is not
+        open_storage(url, heartbeat_s=60, grace_s=120)
+    assert "pip install" not in str(err.value) and "\n" not in str(err.value)
+    real = builtins.__import__
+
+    def no_psycopg(name, *args, **kwargs):
+        if name.split(".")[0] in ("psycopg", "psycopg2"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psycopg)
+    with pytest.raises(StudyError, match=r'pip install "spectune\[postgres\]"'):
+        open_storage(url, heartbeat_s=60, grace_s=120)
+
+
 class FakePower:
     """NVML stand-in: power rises with the step's tokens, saturating at 256."""
 
