@@ -268,6 +268,9 @@ class OnlineState:
     # shapes of riding steps (``Planner.plan_ride``) per (batch size, prompt tokens, choice), made
     # once per estimate
     ride: dict[tuple[int, int, Plan], Plan] = field(default_factory=dict)
+    # the planner's table it belongs to (max batch, tiers, largest K): its choices are shapes of
+    # that table's captured tiers, so another table's planner refuses it (``restore_online``)
+    owner: tuple[Any, ...] = ()
 
     def copy(self) -> OnlineState:
         out: dict[str, Any] = {}
@@ -525,6 +528,10 @@ class Planner:
         s = self._s
         acc = _host_list(accepted_per_pos)
         off = _host_list(tested_per_pos)
+        if acc and off and not (min(acc) >= 0.0 and min(off) >= 0.0 and sum(acc) + sum(off) < math.inf):
+            # a NaN (which fails every comparison: the sum carries it) would stay in the estimate
+            # for good, a negative count breaks the variances later (builtins: ~1 us a step)
+            raise ValueError(f"observe: counters must be finite and >= 0, got accepted {acc}, tested {off}")
         n = self.k_hi
         if len(acc) != n or len(off) != n:  # counters of another width: cut or pad to k_hi
             m = min(len(acc), len(off), n)
@@ -575,7 +582,7 @@ class Planner:
         host shows in the device span, and is not the shape's cost). Off with
         ``online.time_feedback: false``."""
         if not self.online.time_feedback or not 0 < batch_size <= self.max_batch or plan.tier is None \
-                or not ms > 0.0:
+                or not 0.0 < ms < math.inf:  # (a NaN or an infinite span: no time to learn from)
             return
         model = self._model_ms[batch_size].get(plan)
         if model is None:  # a shape outside the candidates (the table's own plan is one of them)
@@ -1006,7 +1013,18 @@ class Planner:
         return self._s.copy()
 
     def restore_online(self, state: OnlineState) -> None:
+        """Take back a ``snapshot_online`` of this planner (or of one loaded from the same table): a
+        state of another table would plan shapes of tiers this one never captured."""
+        mine = self._owner()
+        if state.owner != mine:
+            def says(o: tuple[Any, ...]) -> str:
+                return f"max batch {o[0]}, {len(o[1])} tiers, K <= {o[2]}" if o else "no table"
+            raise ValueError(f"restore_online: the state belongs to another table ({says(state.owner)}; "
+                             f"this planner's: {says(mine)})")
         self._s = state.copy()
+
+    def _owner(self) -> tuple[int, tuple[int, ...], int]:
+        return self.max_batch, tuple(self.tiers), self.k_hi
 
     def reset_online(self) -> None:
         """Forget the live estimate and every online choice: back to the table."""
@@ -1017,7 +1035,7 @@ class Planner:
             choice=list(self._table), probe=list(self._first_probe),
             every=[self.online.probe_every] * (self.max_batch + 1),
             decided_at=[-self.online.decide_every] * (self.max_batch + 1),
-            A=[], T=[], Af=[], Tf=[], pa=[], pt=[], a=[], lo=[], hi=[])
+            A=[], T=[], Af=[], Tf=[], pa=[], pt=[], a=[], lo=[], hi=[], owner=self._owner())
         self._clear_trials()
         self._reset_estimate()
         return self._s

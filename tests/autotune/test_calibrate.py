@@ -2,6 +2,7 @@
 (vllm/benchmarks/latency.py, vllm/benchmarks/serve.py, sglang/benchmark/one_batch.py and
 serving.py): a hidden engine whose costs differ from the profile by known factors."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -274,7 +275,7 @@ def test_vllm_dynamic_sd_profile_bad_input_is_one_line(tmp_path, capsys):
     for bad, match in (
         ({"1": {"two": 5.0}}, "'two'"),
         ({"0": {"0": 5.0}}, "'0'"),
-        ({"1": {"0": -1}}, "not positive"),
+        ({"1": {"0": -1}}, "must be a number > 0"),
         ({"1": {"0": "fast"}}, "must be a number"),
         ({}, "non-empty"),
         ({"1": []}, "non-empty"),
@@ -290,3 +291,200 @@ def test_vllm_dynamic_sd_profile_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f.name in err
     assert not out.exists()
+
+
+def _cli_refuses(tmp_path, capsys, *specs, name=None):
+    """`spectune calibrate` on the engine results: exit 2, one line naming the file, no profile."""
+    out = tmp_path / "refused.yaml"
+    assert main(["calibrate", str(PROFILE), "--engine-results", *specs, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and (name or Path(specs[-1].partition("#")[0]).name) in err
+    assert not out.exists()
+    return err
+
+
+def _rewrite(src, dst, drop=(), **fields):
+    # an engine result with fields changed or dropped
+    obj = dict(json.loads(src.read_text()), **fields)
+    dst.write_text(json.dumps({k: v for k, v in obj.items() if k not in drop}))
+    return dst
+
+
+def test_sglang_pd_router_server_info_is_read_from_the_decode_servers(tmp_path, capsys):
+    # a PD router's /server_info: {"prefill": [...], "decode": [...]}; serving.py reads "decode"[0]
+    model = CostModel.of(read_table(PROFILE), residuals=False)
+    files = _write_results(tmp_path, model)
+    src = tmp_path / "sglang-serving.jsonl"
+    (want,) = read_engine_results(str(src))
+    info = json.loads(src.read_text())["server_info"]
+    pd = _rewrite(src, tmp_path / "pd.jsonl", server_info={"prefill": [{}], "decode": [info]})
+    (got,) = read_engine_results(str(pd))
+    assert (got.batch, got.k, got.ms) == (want.batch, 5, want.ms)
+    for decode, match in (
+        ([], "server_info.decode"),
+        ([{"speculative_algorithm": "EAGLE3"}], "server_info.decode\\[0\\].speculative_num_steps"),
+    ):
+        _rewrite(src, pd, server_info={"decode": decode})
+        with pytest.raises(CalibrationError, match=match):
+            read_engine_results(str(pd))
+    assert "server_info.decode" in _cli_refuses(tmp_path, capsys, *files[:-1], str(pd))
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (
+            {"drop": ["spec_decode_num_drafts"]},
+            "'spec_decode_num_drafts' must be an integer >= 1, got None",
+        ),
+        ({"spec_decode_num_drafts": 0, "spec_decode_draft_tokens": 0}, "'spec_decode_num_drafts'"),
+        ({"spec_decode_num_drafts": "1000"}, "'spec_decode_num_drafts'"),
+        ({"drop": ["spec_decode_draft_tokens"]}, "'spec_decode_draft_tokens' must be an integer"),
+        ({"spec_decode_draft_tokens": None}, "'spec_decode_draft_tokens' must be an integer"),
+        ({"spec_decode_draft_tokens": 3500}, "drafts per step varied"),
+        ({"drop": ["spec_decode_acceptance_length"]}, "'spec_decode_acceptance_length'"),
+        (
+            {"spec_decode_acceptance_length": 50},
+            "'spec_decode_acceptance_length' must be a number in \\[1, 4\\]",
+        ),
+        (
+            {"spec_decode_acceptance_length": 0},
+            "'spec_decode_acceptance_length' must be a number in \\[1, 4\\]",
+        ),
+        ({"median_tpot_ms": -1.0}, "'median_tpot_ms' must be a number > 0"),
+        ({"completed": 0}, "'completed' must be an integer >= 1"),
+        ({"max_concurrency": 8.5}, "'max_concurrency' must be an integer >= 1"),
+    ],
+)
+def test_vllm_serve_speculation_fields_resolve_k_or_are_refused(tmp_path, capsys, fields, match):
+    # vLLM writes the spec_decode_* fields together (serve.py): K = draft tokens / drafts, and
+    # the acceptance length (TPOT -> step) lies in [1, K + 1]; none may fall back to K = 0
+    model = CostModel.of(read_table(PROFILE), residuals=False)
+    files = _write_results(tmp_path, model)
+    bad = _rewrite(tmp_path / "serve-c8-k3.json", tmp_path / "serve-bad.json", **fields)
+    with pytest.raises(CalibrationError, match=match):
+        read_engine_results(str(bad))
+    _cli_refuses(tmp_path, capsys, *files, str(bad))
+
+
+def test_unreadable_or_empty_result_files_are_one_line(tmp_path, capsys):
+    model = CostModel.of(read_table(PROFILE), residuals=False)
+    files = _write_results(tmp_path, model)
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n \n")
+    gz = tmp_path / "result.jsonl.gz"
+    gz.write_bytes(gzip.compress((tmp_path / "result.jsonl").read_bytes()))
+    utf16 = tmp_path / "utf16.json"
+    utf16.write_text((tmp_path / "serve-c8-k3.json").read_text(), encoding="utf-16")
+    for f, match in ((empty, "no result"), (blank, "no result"), (gz, "gzip"), (utf16, "UTF-8")):
+        with pytest.raises(CalibrationError, match=match):
+            read_engine_results(str(f))
+        _cli_refuses(tmp_path, capsys, *files, str(f))
+    bom = tmp_path / "bom.json"  # a UTF-8 byte-order mark is still UTF-8
+    bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "serve-c8-k3.json").read_bytes())
+    assert read_engine_results(str(bom))[0].k == 3
+
+
+def test_latency_arguments_and_latencies_are_checked(tmp_path, capsys):
+    lat = tmp_path / "lat.json"
+    lat.write_text(json.dumps({"avg_latency": 1.0, "latencies": [1.0], "percentiles": {}}))
+    pt = tmp_path / "lat.pytorch.json"
+    args = {"batch_size": 4, "input_len": 32, "output_len": 100}
+    for text, match in (
+        ("{not json", "lat.pytorch.json: not JSON"),
+        ("[]", "lat.pytorch.json: field '\\[0\\].benchmark.extra_info.args'"),
+        ('[{"benchmark": {}}]', "lat.pytorch.json: field '\\[0\\].benchmark.extra_info.args'"),
+        (
+            json.dumps([{"benchmark": {"extra_info": {"args": dict(args, input_len=None)}}}]),
+            "names no input length",
+        ),
+        (
+            json.dumps([{"benchmark": {"extra_info": {"args": dict(args, batch_size="4")}}}]),
+            "'args.batch_size' must be an integer >= 1",
+        ),
+    ):
+        pt.write_text(text)
+        with pytest.raises(CalibrationError, match=match):
+            read_engine_results(str(lat))
+        _cli_refuses(tmp_path, capsys, str(lat), name="lat.")
+    pt.unlink()
+    for latencies in (["a"], [None], [0.5, -1.0]):
+        lat.write_text(json.dumps({"avg_latency": 1.0, "latencies": latencies, "percentiles": {}}))
+        with pytest.raises(
+            CalibrationError, match="field 'latencies\\[\\d\\]' must be a number > 0"
+        ):
+            read_engine_results(f"{lat}#batch=1&input=32&output=128")
+        _cli_refuses(tmp_path, capsys, f"{lat}#batch=1&input=32&output=128")
+
+
+def test_sglang_server_info_and_accept_length_are_checked(tmp_path, capsys):
+    model = CostModel.of(read_table(PROFILE), residuals=False)
+    _write_results(tmp_path, model)
+    src = tmp_path / "sglang-serving.jsonl"
+    bad = tmp_path / "sgl-bad.jsonl"
+    for fields, match in (
+        ({"server_info": [1]}, "'server_info' must be an object or null, got list"),
+        (
+            {"server_info": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": "five"}},
+            "'server_info.speculative_num_steps' must be an integer >= 1, got 'five'",
+        ),
+        ({"accept_length": 9.0}, "'accept_length' must be a number in \\[1, 6\\]"),
+        ({"accept_length": "3"}, "'accept_length' must be a number"),
+        (
+            {"server_info": {"speculative_algorithm": None}},
+            "'accept_length' is 3.0 but server_info",
+        ),
+        ({"server_info": None}, "#k=K"),  # SGLang writes null when /server_info failed
+    ):
+        _rewrite(src, bad, **fields)
+        with pytest.raises(CalibrationError, match=match):
+            read_engine_results(str(bad))
+        _cli_refuses(tmp_path, capsys, str(bad))
+    # a null server_info: the selector names K; without speculation no accept_length is needed
+    (p,) = read_engine_results(f"{bad}#k=5")
+    assert p.k == 5 and p.ms == pytest.approx(json.loads(src.read_text())["median_tpot_ms"] * 3.0)
+    (p,) = read_engine_results(str(_rewrite(src, bad, server_info=None, accept_length=None)))
+    assert p.k == 0
+
+
+def test_selector_fills_in_only_what_the_file_does_not_record(tmp_path, capsys):
+    model = CostModel.of(read_table(PROFILE), residuals=False)
+    files = _write_results(tmp_path, model)
+    lat, serve = f"{tmp_path / 'lat-b1.json'}", f"{tmp_path / 'serve-c8-k3.json'}"
+    for spec, match in (
+        (f"{lat}#batch=0&input=32&output=128", "batch must be >= 1"),
+        (f"{lat}#batch=1&input=32&output=0", "output must be >= 1"),
+        (f"{serve}#batch=4&k=7", "selector batch=4 does not apply to a vllm bench serve result"),
+        (f"{serve}#k=3", "does not apply"),
+        (f"{lat}#batch=1&input=32&output=128&k=3", "selector k=3 does not apply"),
+        (f"{tmp_path / 'result.jsonl'}#batch=2", "does not apply to a sglang bench_one_batch"),
+        (
+            f"{tmp_path / 'sglang-serving.jsonl'}#k=4",
+            "k=4 contradicts the file's server_info.speculative_num_steps 5",
+        ),
+    ):
+        with pytest.raises(CalibrationError, match=match):
+            read_engine_results(spec)
+        _cli_refuses(tmp_path, capsys, *files, spec)
+    assert read_engine_results(f"{tmp_path / 'sglang-serving.jsonl'}#k=5")[0].k == 5
+    # beside vLLM's own record of the run, the selector may repeat it but not contradict it
+    (tmp_path / "lat-b1.pytorch.json").write_text(
+        json.dumps(
+            [
+                {
+                    "benchmark": {
+                        "extra_info": {
+                            "args": {"batch_size": 1, "input_len": 32, "output_len": 128}
+                        }
+                    }
+                }
+            ]
+        )
+    )
+    assert read_engine_results(f"{lat}#batch=1")[0].batch == 1
+    with pytest.raises(
+        CalibrationError, match="batch=4 contradicts the file's lat-b1.pytorch.json batch_size 1"
+    ):
+        read_engine_results(f"{lat}#batch=4&input=32&output=128")

@@ -859,3 +859,44 @@ def test_a_riding_step_of_another_k_stays_out_of_the_run_and_its_counts():
     p.plan(b)
     p.observe([2.0] * 4 + [0.0] * 2, [4.0] * 4 + [0.0] * 2)
     assert (s.run_k, s.run_len) == (k, run_len + 1) and s.rq == rq + 1  # the run goes on
+
+
+def test_a_state_of_another_table_is_refused_and_this_ones_comes_back():
+    p, other = Planner(make_table()), Planner(knee_table())
+    with pytest.raises(ValueError, match=r"another table \(max batch 16, 8 tiers, K <= 6; this planner's: "
+                                         r"max batch 16, 5 tiers, K <= 6\)"):
+        p.restore_online(other.snapshot_online())
+    for _ in range(20):
+        p.plan(3)
+        p.observe([3.0, 1.0, 0.0, 0.0], [3.0, 3.0, 1.0, 0.0])
+    saved = p.snapshot_online()
+    p.reset_online()
+    p.restore_online(saved)  # its own state, or a state of the same table loaded again
+    Planner(make_table()).restore_online(saved)
+    assert p.evidence == saved.T[0] > 0
+
+
+@pytest.mark.parametrize("accepted, tested", [
+    ([math.nan, 0.0], [10.0, 0.0]), ([5.0, math.nan], [10.0, 5.0]), ([-100.0, 0.0], [10.0, 0.0]),
+    ([1.0, 0.0], [math.inf, 0.0]),
+    ([1.0, 0.0], [10.0, -1.0]),
+])
+def test_observe_refuses_counters_that_would_spoil_the_estimate(accepted, tested):
+    p = Planner(make_table())
+    p.plan(4)
+    before = p.snapshot_online()
+    with pytest.raises(ValueError, match="observe: counters must be finite and >= 0"):
+        p.observe(accepted, tested)
+    assert p.snapshot_online() == before  # nothing of it entered
+    p.observe([4.0, 2.0], [4.0, 4.0])  # and the next step's counters are taken as ever
+    assert all(math.isfinite(r) for r in p.rates) and math.isfinite(p.drift)
+
+
+@pytest.mark.parametrize("ms", [math.inf, math.nan, -1.0, 0.0])
+def test_observe_time_skips_a_span_that_is_no_time(ms):
+    p = Planner(make_table())
+    plan = p.plan(4)
+    p.observe_time(4, plan, ms)
+    assert p.timed_shapes(4) == {}
+    p.observe_time(4, plan, 2.0)
+    assert all(math.isfinite(f) for _, f in p.timed_shapes(4).values()) and len(p.timed_shapes(4)) == 1
