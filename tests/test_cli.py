@@ -300,6 +300,15 @@ def test_collect_of_a_missing_study_names_it(profile, capsys):
     assert "no study 'nope'" in capsys.readouterr().err
 
 
+def test_collect_from_a_storage_that_does_not_exist_creates_nothing(tmp_path, capsys):
+    journal = tmp_path / "nodir" / "x.journal"
+    assert main(["profile", "--storage", str(journal), "--study-name", "s", "--collect",
+                 "--out", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"storage {journal}: no such journal file" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_fused_option_reaches_the_models_and_the_study_identity(monkeypatch):
     from spectune.autotune import profiler
     from spectune.cli import _profile_config, build_parser

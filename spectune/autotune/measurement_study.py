@@ -391,7 +391,10 @@ def stored_identity(storage: str | Path | optuna.storages.BaseStorage, study_nam
 
 def load_for_collect(storage: str | Path | optuna.storages.BaseStorage,
                      study_name: str) -> tuple[StudyHandle, dict[str, Any], dict[str, Any] | None]:
-    """An existing study to fit, its identity and the hardware facts of the GPU it measured."""
+    """An existing study to fit, its identity and the hardware facts of the GPU it measured (a
+    storage that does not exist is an error: nothing is created)."""
+    if isinstance(storage, str | Path):
+        open_storage(storage, create=False)  # a missing journal or SQLite file: one line, no file made
     loaded = _load(storage, study_name)
     if loaded is None:
         raise StudyError(f"--study-name: no study {study_name!r} in {storage} (`spectune status --storage "
