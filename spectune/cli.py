@@ -703,8 +703,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise UsageError("--mixed-prefill: needs --prompt-len (the prompts that ride)")
     _only_with_mixed(args, "--prefill-budget", "--ride-limit")
     concurrency = _positive_ints(args.concurrency, "--concurrency")
-    arms = parse_arms(args.arms) if args.arms is not None else None
     planner = load(args.policy, on_gpu_mismatch="ignore")
+    arms = parse_arms(args.arms, planner.table.workload.max_k) if args.arms is not None else None
     max_k = max(1, planner.k_hi)
     tuned = AcceptanceModel.from_dict(planner.table.acceptance) if planner.table.acceptance else None
     drift = None
@@ -794,7 +794,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("inputs", nargs="+",
                    help="bench results .json (`spectune bench`), simulation .json "
                         "(benchmarks/sim_policy_vs_fixed.py), profile or policy table .yaml")
-    p.add_argument("--out", required=True, help="output folder (created; existing report files are replaced)")
+    p.add_argument("--out", required=True, help="output folder (created; the files this report writes are replaced, others in it are left as they are)")
     p.add_argument("--title", default="spectune report")
     p.set_defaults(func=cmd_report)
 

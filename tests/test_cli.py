@@ -128,6 +128,22 @@ def test_profile_on_gpu_uses_graphs(tmp_path, capsys):
     assert data["hardware"]["gpu"] != "cpu"
 
 
+@pytest.mark.parametrize("command", ["simulate", "bench"])
+def test_a_fixed_k_past_the_tables_max_k_is_refused(tmp_path, capsys, command):
+    # a row at K 9 of a max_k 3 table would charge K 9's drafter with K 3's acceptance
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    out = tmp_path / "r.json"
+    extra = ["--out", str(out), "--device", "cpu", "--no-progress"] if command == "bench" else []
+    argv = [command, *(["--policy"] if command == "bench" else []), str(policy), "--concurrency", "2",
+            "--arms", "fixed:3,fixed:9", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "arm 'fixed:9': past the table's workload.max_k 3 (fixed:K in 0..3)" in err
+    assert not out.exists()
+
+
 def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     from spectune.runtime import planner as planner_mod
     from tests.engine.test_engine import write_policy

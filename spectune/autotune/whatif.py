@@ -75,15 +75,20 @@ def parse_arm(arm: str) -> int | None:
     raise ArmError(f"arm {arm!r}: not plain, fixed:K (K in 0..64) or auto")
 
 
-def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
+def parse_arms(text: str | Sequence[str], max_k: int | None = None) -> tuple[str, ...]:
+    """The arms, each checked; with ``max_k`` (the table's ``workload.max_k``) a fixed K past it is
+    refused: the profile's drafter and the acceptance model stop there, so its row would mix the
+    costs of one K with the acceptance of another."""
     arms = [a.strip().lower() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
     if not arms:
         raise ArmError("--arms: no arm given (plain, fixed:K, auto)")
     for a in arms:
         try:
-            parse_arm(a)
+            k = parse_arm(a)
         except ArmError as exc:
             raise ArmError(f"--arms: {exc}") from None
+        if max_k is not None and k is not None and k > max_k:
+            raise ArmError(f"--arms: arm {a!r}: past the table's workload.max_k {max_k} (fixed:K in 0..{max_k})")
     return tuple(dict.fromkeys(arms))
 
 

@@ -474,9 +474,9 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
             raise BenchError(f"{option}: must be >= 1, got {value}")
     if config.dtype is not None and config.dtype not in DTYPES:
         raise BenchError(f"--dtype: must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
-    if config.arms is not None:
-        parse_arms(config.arms)
     planner = load(config.policy, on_gpu_mismatch="warn")
+    if config.arms is not None:
+        parse_arms(config.arms, planner.table.workload.max_k)
     planner.ride_aware = config.ride_aware
     dtype = config.dtype or (planner.table.workload.dtype if device.type == "cuda" else "float32")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
