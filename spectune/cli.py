@@ -273,16 +273,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 def _k0_line(table: Table, k0_cutoff: int) -> str:
     """Where plain decoding starts: in the rows, or past them where the runtime (and the engine
-    exports) keep drafting while the cost model says it pays (``Planner.uniform_k``)."""
-    from spectune.runtime.planner import Planner
+    exports: the same schedule) keep drafting while the cost model says it pays (``Planner.uniform_k``,
+    0 from the largest tier on)."""
+    from spectune.autotune.engine_schedule import schedule_from_table
 
     last = table.workload.max_batch
     if k0_cutoff <= last:
         return f"K=0 from batch {k0_cutoff}"
-    planner = Planner(table)
-    b = last + 1
-    while planner.uniform_k(b) > 0:
-        b += 1
+    assert table.policy is not None  # (a tuned table)
+    past = schedule_from_table(table, top=max(last + 1, table.policy.tiers[-1]))
+    b = next(lo for lo, _, k in past if lo > last and k == 0)
     return f"K>0 at every row (1..{last}); past the rows K=0 from batch {b} (cost model)"
 
 

@@ -488,9 +488,14 @@ class Planner:
             return Plan(0, 0, None)
         if budget <= 0:
             return Plan(0, 0, tier)
-        # no row here: the last row's K drafts on only while the cost model, at the estimate's
-        # point rates, still says it beats plain decoding at this batch (past the range the
-        # target turns compute-bound and a K that paid at the last row can cost more than it gives)
+        pays, plain_tier = self._outside_pays(batch_size, k, budget, tier)
+        return Plan(k, budget, tier) if pays else Plan(0, 0, plain_tier)
+
+    def _outside_pays(self, batch_size: int, k: int, budget: int, tier: int) -> tuple[bool, int]:
+        """No row here: the last row's K drafts on only while the cost model, at the estimate's
+        point rates, still says it beats plain decoding at this batch (past the range the target
+        turns compute-bound and a K that paid at the last row can cost more than it gives); and
+        plain decoding's tier. The step times are made once per (batch, K, budget)."""
         key = (batch_size, k, budget)
         ms = self._outside_ms.get(key)
         if ms is None:
@@ -498,9 +503,7 @@ class Planner:
             ms = self._outside_ms[key] = (step_ms(self.cost, batch_size, k, tier),
                                           step_ms(self.cost, batch_size, 0, plain_tier or tier), plain_tier or tier)
         draft_ms, plain_ms, plain_tier = ms
-        if _tokens(self._sums(-1), batch_size, budget) * plain_ms <= batch_size * draft_ms:
-            return Plan(0, 0, plain_tier)
-        return Plan(k, budget, tier)
+        return _tokens(self._sums(-1), batch_size, budget) * plain_ms > batch_size * draft_ms, plain_tier
 
     def uniform_k(self, batch_size: int) -> int:
         """The K an engine that drafts every request alike (vLLM, SGLang, TensorRT-LLM: no verify
@@ -515,11 +518,9 @@ class Planner:
         k = min(self._s.choice[self.max_batch].k, (self.tiers[-1] - batch_size) // batch_size)
         if k <= 0:
             return 0
-        plain_tier = smallest_tier(self.tiers, batch_size)
         tier = smallest_tier(self.tiers, batch_size * (k + 1))
-        assert plain_tier is not None and tier is not None  # batch_size * (k + 1) <= tiers[-1]
-        gain = _tokens(self._sums(-1), batch_size, batch_size * k) * step_ms(self.cost, batch_size, 0, plain_tier)
-        return k if gain > batch_size * step_ms(self.cost, batch_size, k, tier) else 0
+        assert tier is not None  # batch_size * (k + 1) <= tiers[-1]
+        return k if self._outside_pays(batch_size, k, batch_size * k, tier)[0] else 0
 
     def observe(self, accepted_per_pos: Any, tested_per_pos: Any) -> None:
         """Add one step's counters (a K = 0 step observes nothing: time still passes). The counts
