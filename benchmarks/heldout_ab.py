@@ -36,8 +36,11 @@ POLICY = "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml"
 # requests per concurrency (others: 2 waves): at c >= 16 two or three waves, so the batch stays
 # full (rows == concurrency) for at least a wave -- the full-load window, ``full_tok_s``; at c = 1,
 # 24 requests: with 6 (~70 steps a run) which requests a repeat draws moved every arm, and three
-# repeats of 0.9^i gave auto / fixed:9 0.978 [0.911, 1.046] on the H200; 24 gave 0.995 [0.980, 1.011]
-PROMPTS = {1: 24, 16: 48, 64: 128, 256: 320}
+# repeats of 0.9^i gave auto / fixed:9 0.978 [0.911, 1.046] on the H200; 24 gave 0.995 [0.980, 1.011].
+# At c = 32 (the DFlash protocol) 256 requests, eight waves: over two (64) the trials and probes,
+# a fixed number of steps, weigh on ~40 full-load steps -- DFlash 0.9^i read 0.976-0.978 of fixed:7
+# there in every call, 0.984 [0.967, 1.001] over 256 (H200, 2026-12-05); a server runs longer still
+PROMPTS = {1: 24, 16: 48, 32: 256, 64: 128, 256: 320}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
