@@ -16,7 +16,8 @@ the ``past_knee`` column says where the arm's mean full step is past it.
 For each concurrency and arm, on the policy's tuned acceptance (or ``--acceptance``): decode tok/s
 (the decode steps of the run with separate prefill), the simulated end to end with separate
 prefill forwards and with prompts riding in the steps (``spectune simulate --prompt-len`` and
-``--mixed-prefill``, the engine's default ride limit), each over that decode rate, and the ceiling.
+``--mixed-prefill``, the engine's default ride limit; and riding with ``--admit-ahead``, a request's
+successor riding beside its last step), each over that decode rate, and the ceiling.
 
     PYTHONPATH=. python benchmarks/e2e_ceiling.py spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml \\
         --prompt-len 64 --new-tokens 256 --concurrency 32,64,128,256 --out benchmarks/results/e2e_ceiling_p64.json
@@ -95,23 +96,28 @@ def main(argv: list[str] | None = None) -> int:
                    decode_tokens=a.new_tokens - 1, prompt_len=a.prompt_len)
     separate = simulate_table(what, concurrency, arms)["rows"]
     riding = simulate_table(replace(what, ride=Riding(a.prompt_len, RIDE_BUDGET, None)), concurrency, arms)["rows"]
+    # admitted ahead (``--admit-ahead``): a request's successor rides beside its last step
+    ahead = simulate_table(replace(what, ride=Riding(a.prompt_len, RIDE_BUDGET, None, ahead=True)), concurrency,
+                           arms)["rows"]
     knee = planner.cost.params.target.knee_tokens
     m = marginal_ms(planner.cost)
     rows = []
     print(f"{'c':>4} {'arm':>8} {'decode':>8} {'e2e sep':>8} {'e2e ride':>8} {'sep/dec':>8} {'ride/dec':>8} "
-          f"{'ceiling':>7} {'step tok':>8} past knee ({knee:.0f})")
-    for sep, ride in zip(separate, riding, strict=True):
+          f"{'ahead/dec':>9} {'ceiling':>7} {'step tok':>8} past knee ({knee:.0f})")
+    for sep, ride, early in zip(separate, riding, ahead, strict=True):
         c, arm = sep["concurrency"], sep["arm"]
         decode = sep["goodput_tok_s"]
         tokens = mean_step_tokens(sep, c)
         row = {"concurrency": c, "arm": arm, "decode_tok_s": decode, "e2e_separate_tok_s": sep["output_tok_s"],
                "e2e_riding_tok_s": ride["output_tok_s"], "separate_over_decode": sep["output_tok_s"] / decode,
-               "riding_over_decode": ride["output_tok_s"] / decode, "marginal_us_per_token": m * 1e3,
+               "riding_over_decode": ride["output_tok_s"] / decode, "e2e_ahead_tok_s": early["output_tok_s"],
+               "ahead_over_decode": early["output_tok_s"] / decode, "marginal_us_per_token": m * 1e3,
                "ceiling": ceiling(decode, a.prompt_len, a.new_tokens, m), "mean_step_tokens": tokens, "past_knee": tokens >= knee,
                "k_hist": sep["k_hist"]}
         rows.append(row)
         print(f"{c:>4} {arm:>8} {decode:>8.0f} {row['e2e_separate_tok_s']:>8.0f} {row['e2e_riding_tok_s']:>8.0f} "
-              f"{row['separate_over_decode']:>8.3f} {row['riding_over_decode']:>8.3f} {row['ceiling']:>7.3f} "
+              f"{row['separate_over_decode']:>8.3f} {row['riding_over_decode']:>8.3f} {row['ahead_over_decode']:>9.3f} "
+              f"{row['ceiling']:>7.3f} "
               f"{tokens:>8.0f} {'yes' if row['past_knee'] else 'no'}")
     print(f"{time.time() - began:.0f} s")
     if a.out:

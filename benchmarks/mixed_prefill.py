@@ -12,7 +12,9 @@ last part ``:pM`` caps the prompt pieces a riding step carries at M (``--ride-pi
 16; ``mixed:256:all:p64`` at concurrency <= 64 is the engine before the cap, whose pieces'
 attention launch had a slot per engine row); a last part ``:plan`` runs auto's riding steps at
 ``plan(batch)`` instead of ``Planner.plan_ride`` (``mixed:256:all:plan`` beside ``mixed:256:all``
-is the A/B of plan_ride in one call). Every mode's results JSON is written to
+is the A/B of plan_ride in one call); a last part ``:ahead`` admits ahead (``--admit-ahead``: a
+request the next step surely ends frees its slot before it, so its successor's prompt rides
+beside its last step; ``mixed:256:ahead`` beside ``mixed:256`` is its A/B). Every mode's results JSON is written to
 ``--out-dir`` as ``bench_<mode>.json``, then ``mixed_prefill.json`` holds the table:
 per (mode, concurrency, arm) the mean over repeats of end-to-end output tok/s (the whole run,
 prefill included), decode tok/s (steps only), TTFT mean / p99 and ITL p50 / p99, and end to end
@@ -46,15 +48,18 @@ FIELDS = ("output_tok_s", "decode_tok_s", "ttft_ms", "ttft_p99_ms", "itl_p50_ms"
 RIDE_ALL = 1 << 30  # a ride limit no admission passes: every prompt rides
 
 
-def parse_mode(text: str) -> tuple[str, int | None, int | None, int, bool]:
-    """(name, budget, ride limit, pieces a step, ride-aware): separate -> no budget; mixed:N ->
+def parse_mode(text: str) -> tuple[str, int | None, int | None, int, bool, bool]:
+    """(name, budget, ride limit, pieces a step, ride-aware, ahead): separate -> no budget; mixed:N ->
     budget N, bursts of more than N prompt tokens separate (the engine's default); mixed:N:all ->
     every prompt rides; mixed:N:rR -> bursts of more than R separate; a part pM caps the pieces a step carries at M (default ``RIDE_PIECES``);
     a last part ``plan`` runs auto's riding steps at ``plan(batch)`` (the rule before
-    ``Planner.plan_ride``: the A/B of it in one call)."""
+    ``Planner.plan_ride``: the A/B of it in one call); a last part ``ahead`` admits ahead."""
     if text == "separate":
-        return text, None, None, RIDE_PIECES, True
+        return text, None, None, RIDE_PIECES, True, False
     parts = text.split(":")
+    ahead = len(parts) > 2 and parts[-1] == "ahead"
+    if ahead:
+        parts.pop()
     aware = not (len(parts) > 2 and parts[-1] == "plan")
     if not aware:
         parts.pop()
@@ -64,10 +69,10 @@ def parse_mode(text: str) -> tuple[str, int | None, int | None, int, bool]:
     limit = parts[2] if len(parts) == 3 else ""  # all, or rR: a ride limit of R prompt tokens
     if not (parts[0] == "mixed" and len(parts) in (2, 3) and parts[1].isdigit() and int(parts[1]) >= 1
             and (len(parts) == 2 or limit == "all" or (limit[:1] == "r" and limit[1:].isdigit() and int(limit[1:]) >= 1))):
-        raise SystemExit(f"--modes: {text!r} is not separate or mixed:N[:all|:rR][:pM][:plan] (N >= 1 prompt tokens "
+        raise SystemExit(f"--modes: {text!r} is not separate or mixed:N[:all|:rR][:pM][:plan][:ahead] (N >= 1 prompt tokens "
                          "a step, R >= 1 the ride limit, M >= 1 pieces a step)")
     ride = RIDE_ALL if limit == "all" else int(limit[1:]) if limit else None
-    return text, int(parts[1]), ride, pieces, aware
+    return text, int(parts[1]), ride, pieces, aware, ahead
 
 
 def mean_rows(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, float]]:
@@ -105,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     table: dict[str, Any] = {"policy": args.policy, "concurrency": concurrency, "arms": args.arms,
                              "repeats": args.repeats, "fused": not args.no_fused, "modes": {}}
-    for mode, budget, ride_limit, pieces, aware in modes:
+    for mode, budget, ride_limit, pieces, aware, ahead in modes:
         t0 = time.perf_counter()
         path = out_dir / f"bench_{mode.replace(':', '_')}.json"
         config = BenchConfig(policy=args.policy, out=str(path), concurrency=concurrency, arms=args.arms,
                              repeats=args.repeats, fused=not args.no_fused, mixed_prefill=budget is not None,
                              prefill_budget=budget or 256, ride_limit=ride_limit, ride_pieces=pieces,
-                             ride_aware=aware,
+                             ride_aware=aware, admit_ahead=ahead,
                              prompt_len=args.prompt_len,
                              max_new_tokens=args.max_new_tokens, device=args.device, progress=False)
         try:

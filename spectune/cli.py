@@ -557,7 +557,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
         raise UsageError(f"--prompt-len + --max-new-tokens: must be <= {BENCH_MAX_TOKENS} (each request's KV "
                          "cache is allocated up front)")
-    _only_with_mixed(args, "--prefill-budget", "--ride-limit", "--ride-pieces")
+    _only_with_mixed(args, "--prefill-budget", "--ride-limit", "--ride-pieces", "--admit-ahead")
     if args.acceptance is not None:  # a bad source fails now, before any model is built
         from spectune.autotune.acceptance import resolve_acceptance
         from spectune.runtime.table import read_table
@@ -571,7 +571,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
         drift=args.drift, repeats=args.repeats, fused=args.fused, mixed_prefill=args.mixed_prefill,
         prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET, ride_limit=args.ride_limit,
-        ride_pieces=args.ride_pieces or RIDE_PIECES,
+        ride_pieces=args.ride_pieces or RIDE_PIECES, admit_ahead=bool(args.admit_ahead),
     )
 
     def num(v, fmt):
@@ -671,6 +671,10 @@ def _add_ride_options(p: argparse.ArgumentParser, budget_max: int, limit_max: in
     p.add_argument("--ride-limit", type=number(int, 1, limit_max), default=None,
                    help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
                         "still riding, takes separate prefill forwards (default: the prefill budget)")
+    p.add_argument("--admit-ahead", action="store_const", const=True, default=None,
+                   help="with --mixed-prefill: a request the next step surely ends frees its slot before that "
+                        "step, so its successor's prompt rides beside its last step (no step runs a row short "
+                        "while a prompt rides)")
 
 
 def _only_with_mixed(args: argparse.Namespace, *options: str) -> None:
@@ -701,7 +705,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"{option} must be >= 1, got {value}")
     if args.mixed_prefill and args.prompt_len is None:
         raise UsageError("--mixed-prefill: needs --prompt-len (the prompts that ride)")
-    _only_with_mixed(args, "--prefill-budget", "--ride-limit")
+    _only_with_mixed(args, "--prefill-budget", "--ride-limit", "--admit-ahead")
     concurrency = _positive_ints(args.concurrency, "--concurrency")
     planner = load(args.policy, on_gpu_mismatch="ignore")
     arms = parse_arms(args.arms, planner.table.workload.max_k) if args.arms is not None else None
@@ -724,7 +728,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         what = dataclasses.replace(what, prompt_len=args.prompt_len)
     if args.mixed_prefill:
         what = dataclasses.replace(what, ride=Riding(args.prompt_len, args.prefill_budget or RIDE_BUDGET,
-                                                     args.ride_limit))
+                                                     args.ride_limit, ahead=bool(args.admit_ahead)))
     out = simulate_table(what, concurrency, arms)
     out["served_cost"] = args.served_cost
     if args.json:

@@ -490,11 +490,13 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
     mod = load("mixed_prefill")
     policy = Path(__file__).resolve().parent.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"
     assert mod.main(["--out-dir", str(tmp_path), "--policy", str(policy), "--device", "cpu", "--no-fused",
-                     "--modes", "separate,mixed:8,mixed:8:r12,mixed:8:all:p1,mixed:8:all:plan", "--concurrency", "2",
+                     "--modes", "separate,mixed:8,mixed:8:r12,mixed:8:all:p1,mixed:8:all:plan,mixed:8:r12:ahead",
+                     "--concurrency", "2",
                      "--repeats", "1",
                      "--prompt-len", "6", "--max-new-tokens", "4"]) == 0
     table = json.loads((tmp_path / "mixed_prefill.json").read_text())
-    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:r12", "mixed:8:all:p1", "mixed:8:all:plan"}
+    assert set(table["modes"]) == {"separate", "mixed:8", "mixed:8:r12", "mixed:8:all:p1", "mixed:8:all:plan",
+                                   "mixed:8:r12:ahead"}
     for mode, cells in table["modes"].items():
         for arm in ("plain", "auto"):
             cell = cells[f"2/{arm}"]
@@ -506,8 +508,9 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
             assert all(r["mixed_prefill_tokens"] == 0 and r["prefill_forwards"] > 0 for r in rows)
         elif mode == "mixed:8":  # two 6-token prompts admitted at once pass the ride limit of 8: apart
             assert bench["header"]["ride_limit"] == 8 and all(r["prefill_forwards"] > 0 for r in rows)
-        elif mode == "mixed:8:r12":  # the same two prompts (12 tokens) within a ride limit of 12: they ride
+        elif mode.startswith("mixed:8:r12"):  # the same two prompts (12 tokens) within a ride limit of 12: they ride
             assert bench["header"]["ride_limit"] == 12 and bench["header"]["prefill_budget"] == 8
+            assert bench["header"]["admit_ahead"] == (4 if mode.endswith(":ahead") else 0)
             assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
         else:  # every prompt rides (one piece a step with p1)
             assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] > 0 for r in rows)
@@ -520,7 +523,7 @@ def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
 
 @pytest.mark.parametrize("mode", ["mixed", "mixed:0", "mixed:8:some", "mixed:8:", "fused", "mixed:8:p0",
                                   "mixed:8:all:p", "mixed:p4", "mixed:plan", "mixed:8:plan:p4", "mixed:8:r0",
-                                  "mixed:8:r", "mixed:8:rx"])
+                                  "mixed:8:r", "mixed:8:rx", "mixed:ahead", "mixed:8:ahead:plan"])
 def test_mixed_prefill_refuses_a_bad_mode(tmp_path, mode):
     mod = load("mixed_prefill")
     with pytest.raises(SystemExit, match="--modes"):
@@ -684,6 +687,11 @@ def test_e2e_ceiling_prices_the_prompts_at_the_fits_token_past_the_knee(tmp_path
     # simulated riding run is within a few per cent of the ceiling and not far above it
     assert not rows["plain"]["past_knee"] and rows["auto"]["past_knee"]
     assert 0.95 * rows["auto"]["ceiling"] < rows["auto"]["riding_over_decode"] < 1.02 * rows["auto"]["ceiling"]
+    # admitted ahead, auto's successors ride beside the last step of the requests they replace:
+    # closer to the ceiling; plain's waves end together: the successors whose prompts fit one
+    # step ride beside the wave's last step, the rest are a burst of separate forwards as before
+    assert rows["auto"]["ahead_over_decode"] > rows["auto"]["riding_over_decode"]
+    assert rows["plain"]["ahead_over_decode"] == pytest.approx(rows["plain"]["riding_over_decode"], rel=5e-3)
     capsys.readouterr()
     for bad, field in ((["--concurrency", "0"], "--concurrency"), (["--arms", "fixed:x"], "--arms"),
                        (["--new-tokens", "1"], "--new-tokens")):

@@ -422,19 +422,36 @@ def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req
     if finished.any():
         tally.done += int(finished.sum())
         batch.keep(~finished)
-    free = concurrency - len(batch.req) - len(filling)
-    n = free if not run.closed else min(free, (run.requests or 0) - next_req)
-    if n <= 0:
-        return next_req
     assert run.ride is not None
-    ids = np.arange(next_req, next_req + n)
-    cls, remaining = _new_requests(run, ids, step)
-    if run.ride.rides(n, len(filling)):
+    free = concurrency - len(batch.req) - len(filling)
+    left = (run.requests or 0) - next_req if run.closed else concurrency  # (open: no end to the queue)
+    n = min(free, left)
+    if n > 0:
+        ids = np.arange(next_req, next_req + n)
+        cls, remaining = _new_requests(run, ids, step)
+        if run.ride.rides(n, len(filling)):
+            filling.add(ids, cls, remaining)
+        else:  # a burst: live at once (no admission ahead beside it)
+            batch.join(ids, cls, remaining)
+            _admit(run, tally, n)
+            return next_req + n
+        next_req += n
+    # admission ahead: a request with one token left surely ends at the next step (every step
+    # emits one), so its slot may take a successor whose prompt rides beside that step (riding
+    # admissions only; the slots count as after that step: live + filling <= concurrency)
+    # a successor is admitted ahead only if its whole prompt rides in that step (``Riding``)
+    ending = int((batch.remaining == 1).sum()) if run.ride.ahead else 0
+    extra = min(ending, free - max(n, 0) + ending, left - max(n, 0))
+    done, take = list(filling.done), 0
+    while take < extra and run.ride.rides(take + 1, len(filling)) and run.ride.ends_next([*done, 0]):
+        done.append(0)
+        take += 1
+    if take > 0:
+        ids = np.arange(next_req, next_req + take)
+        cls, remaining = _new_requests(run, ids, step)
         filling.add(ids, cls, remaining)
-    else:
-        batch.join(ids, cls, remaining)
-        _admit(run, tally, n)
-    return next_req + n
+        next_req += take
+    return next_req
 
 
 def _join(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, pieces: Sequence[Piece]) -> None:

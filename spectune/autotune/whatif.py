@@ -262,7 +262,8 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     return {"rows": rows, "acceptance": source, "tuned_acceptance": tuned, "drift": what.drift is not None,
             "context_len": planner.cost.context_len, "repeats": what.repeats, "prompt_len": what.prompt_len,
             "mixed_prefill": None if what.ride is None else {"budget": what.ride.budget,
-                                                             "ride_limit": what.ride.ride_limit}}
+                                                             "ride_limit": what.ride.ride_limit,
+                                                             "admit_ahead": what.ride.ahead}}
 
 
 def _trained_planner(what: WhatIf, cost: CostModel, work: dict[str, Any]) -> Any:

@@ -149,6 +149,7 @@ class BenchConfig:
     ride_limit: int | None = None  # mixed_prefill: a larger admission takes separate forwards (None: the budget)
     ride_pieces: int = RIDE_PIECES  # mixed_prefill: prompt pieces one step carries at most
     ride_aware: bool = True  # mixed_prefill: auto's riding steps at plan_ride's shape (False: plan(batch))
+    admit_ahead: bool = False  # mixed_prefill: a row the next step surely ends frees its slot now (Engine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +291,10 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     max_batch = max(concurrency)
     max_len = prompt_len + max_new + max_k + KV_SLACK
     per_request = -(-max_len // BLOCK_SIZE)
-    num_blocks = 1 + max_batch * per_request
+    # admitting ahead (mixed prefill): prompts ride beside the last step of the rows they replace,
+    # in up to ``ahead`` rows past max_batch, with KV blocks of their own
+    ahead = max(4, max_batch // 4) if config.admit_ahead and config.mixed_prefill else 0
+    num_blocks = 1 + (max_batch + ahead) * per_request
     act_dtype, fp8 = parse_dtype(dtype)
     models = build_models(args, spec, device=device, dtype=act_dtype, max_batch=max_batch,
                           max_q=max_k + 1, context_len=max_len, seed=config.seed, fp8=fp8,
@@ -316,7 +320,7 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
                     device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
                     mixed_prefill=config.mixed_prefill, prefill_budget=config.prefill_budget,
-                    ride_limit=config.ride_limit, ride_pieces=config.ride_pieces)
+                    ride_limit=config.ride_limit, ride_pieces=config.ride_pieces, admit_ahead=ahead)
     engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
     rng = np.random.default_rng(config.seed)
     prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
@@ -376,7 +380,8 @@ def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests
     prompt_len = len(setup.requests[0].prompt)
     prefill = prefill_ms(setup.planner.cost, prompt_len, engine.prefill_chunk, engine.prefill_tokens)
     ride = None if engine.mixed is None else Riding(prompt_len, engine.mixed.budget, engine.ride_limit,
-                                                    engine.prefill_chunk, engine.mixed.max_pieces)
+                                                    engine.prefill_chunk, engine.mixed.max_pieces,
+                                                    ahead=engine.admit_ahead > 0)
     return predict_decode(setup.planner.cost, served.acceptance, make_policy, res, speculative=k != 0,
                           concurrency=concurrency, requests=n_requests, context_len=context_len, seed=seed,
                           decode_tokens=setup.requests[0].max_new_tokens - 1, drift=served.drift,
@@ -548,6 +553,8 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         # how auto shaped a step that carried prompt tokens (``Planner.plan_ride``, or ``plan``:
         # the batch's plan; runs from before plan_ride have no key: theirs ran ``plan(batch)``)
         "ride_shapes": ("plan_ride" if config.ride_aware else "plan") if config.mixed_prefill else None,
+        # rows a prompt may be admitted into ahead of the row it replaces (0: none; older runs: no key)
+        "admit_ahead": setup.engine.admit_ahead if config.mixed_prefill else None,
     }
 
 

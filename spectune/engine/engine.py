@@ -11,7 +11,12 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             ``prefill_budget`` tokens a step) and a row joins the batch after the step that
             ended its prompt; a burst (more than ``ride_limit`` prompt tokens admitted at once,
             none filling: a closed run's wave) takes separate forwards, where one large forward
-            is cheaper than pieces on steps that already run at the compute knee
+            is cheaper than pieces on steps that already run at the compute knee. With
+            ``admit_ahead`` a row the coming step surely ends (``RunLog.ends_next``) frees its
+            slot for a riding admission now: the successor's prompt rides beside that row's
+            last step and joins as it leaves, so no step runs a row short while a prompt rides
+            (at most ``admit_ahead`` prompts at once beyond ``max_batch`` rows; their KV blocks
+            come from the same free list)
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``; the
             device time of each earlier step whose end mark has landed (``Event.query``, no
             sync; a step that captured a graph or carried prompt pieces is not reported) ->
@@ -79,7 +84,13 @@ from spectune.engine.run_log import (
 from spectune.errors import SpectuneError
 from spectune.kernels.attention_metadata import AttnMeta
 from spectune.runtime.planner import Plan
-from spectune.runtime.prefill_plan import PREFILL_CHUNK, PREFILL_TOKENS, RIDE_BUDGET, RIDE_PIECES
+from spectune.runtime.prefill_plan import (
+    PREFILL_CHUNK,
+    PREFILL_TOKENS,
+    RIDE_BUDGET,
+    RIDE_PIECES,
+    ends_next_forward,
+)
 from spectune.runtime.step import AdaptiveVerifier, GraphPool, StepOutput
 
 TRASH_BLOCK = 0  # KV block no request owns: unused block-table entries (and overruns) point here
@@ -165,8 +176,16 @@ class Engine:
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
                  capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, mixed_prefill: bool = False, prefill_budget: int = RIDE_BUDGET,
-                 ride_limit: int | None = None, ride_pieces: int = RIDE_PIECES):
+                 ride_limit: int | None = None, ride_pieces: int = RIDE_PIECES, admit_ahead: int = 0):
         self.device = torch.device(device)
+        if admit_ahead < 0:
+            raise EngineError("admit_ahead", f"must be >= 0 (rows), got {admit_ahead}")
+        if admit_ahead and not mixed_prefill:
+            raise EngineError("admit_ahead", "needs mixed_prefill (an admission ahead rides beside the row it replaces)")
+        self.admit_ahead = admit_ahead
+        # engine rows: the live ones, then the prompts filling (admitted ahead: up to admit_ahead
+        # more while the rows they replace run their last step)
+        self.state_rows = max_batch + admit_ahead
         self.max_blocks = -(-max_len // block_size)
         # mixed prefill: an admission of more prompt tokens than this (nothing else filling) is a
         # burst, prefilled by separate forwards; smaller ones ride in the steps (``_rides``)
@@ -183,9 +202,9 @@ class Engine:
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         # the decode graphs also write each token's top-1 minus top-2 logit (engine_run.MarginTap)
         self.tap = MarginTap(target, max(int(t) for t in tiers), self.device)
-        self.state = EngineState.make(max_batch, self.max_blocks, self.device)
+        self.state = EngineState.make(self.state_rows, self.max_blocks, self.device)
         # mixed prefill: prompt pieces ride in the steps' forwards (mixed.py)
-        self.mixed = (MixedPrefill(self.tap, self.state.block_tables, max_rows=max_batch, chunk=prefill_chunk,
+        self.mixed = (MixedPrefill(self.tap, self.state.block_tables, max_rows=self.state_rows, chunk=prefill_chunk,
                                    budget=prefill_budget, block_size=block_size, device=self.device,
                                    max_pieces=ride_pieces)
                       if mixed_prefill else None)
@@ -446,13 +465,19 @@ class Engine:
     def _admit(self, run: RunLog, queue: deque[int], concurrency: int, it: int, marks: Marks,
                admit_mark: int) -> None:
         new: list[int] = []
-        while queue and len(self.rows) + len(self.filling) + len(new) < concurrency:
-            need = self.blocks_for(run.requests[queue[0]])
-            if need > len(self.free_blocks):
-                break
-            rid = queue.popleft()
-            self.blocks[rid] = [self.free_blocks.popleft() for _ in range(need)]
-            new.append(rid)
+        while queue and len(self.rows) + len(self.filling) + len(new) < concurrency and self._take(run, queue, new):
+            pass
+        if self.admit_ahead and queue and (self.filling or not new or self._rides(self._prompt_tokens(run, new))):
+            # the rows the coming step surely ends: their successors' prompts may ride beside it
+            # (never a burst: an admission ahead that would not ride waits for the free slot)
+            # (the slots count as after that step: live + filling <= concurrency)
+            ending = sum(run.ends_next(rid) for rid in self.rows)
+            room = min(ending, concurrency + ending - len(self.rows) - len(self.filling) - len(new),
+                       self.state_rows - len(self.rows) - len(self.filling) - len(new))
+            while room > 0 and queue and (self.filling or self._rides(
+                    self._prompt_tokens(run, new) + len(run.requests[queue[0]].prompt))) \
+                    and self._ends_next_step(run, new, queue[0]) and self._take(run, queue, new):
+                room -= 1
         if not new:
             return
         lo = len(self.rows) + len(self.filling)
@@ -475,6 +500,30 @@ class Engine:
             run.ttft_marks[rid] = (admit_mark, first_mark)
         self.rows += new
         self._send(run, StepCopy(_to_host(first[:, None]), None, new, it, None, _to_host(margins)))
+
+    def _take(self, run: RunLog, queue: deque[int], new: list[int]) -> bool:
+        """The queue's next request into ``new`` with its KV blocks, if enough are free."""
+        need = self.blocks_for(run.requests[queue[0]])
+        if need > len(self.free_blocks):
+            return False
+        rid = queue.popleft()
+        self.blocks[rid] = [self.free_blocks.popleft() for _ in range(need)]
+        new.append(rid)
+        return True
+
+    def _ends_next_step(self, run: RunLog, new: Sequence[int], rid: int) -> bool:
+        """Whether request ``rid``'s whole prompt, admitted after the filling ones and ``new``,
+        rides in the next step (``ends_next_forward``): a successor admitted ahead joins as the
+        row it replaces leaves; one that would fill over several steps waits for the free slot."""
+        assert self.mixed is not None
+        m = self.mixed
+        rids = [*self.filling.rids, *new, rid]
+        done = [*self.filling.done, *([0] * (len(new) + 1))]
+        return ends_next_forward([len(run.requests[r].prompt) for r in rids], done, m.chunk, m.budget, m.max_pieces)
+
+    @staticmethod
+    def _prompt_tokens(run: RunLog, rids: Sequence[int]) -> int:
+        return sum(len(run.requests[rid].prompt) for rid in rids)
 
     def _rides(self, prompt_tokens: int) -> bool:
         """Whether an admission of this many prompt tokens, with no prompt still filling, rides in

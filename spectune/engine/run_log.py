@@ -203,6 +203,11 @@ class RunLog:
     def surely_done(self, rid: int) -> bool:
         return len(self.outputs[rid]) + self.inflight[rid] >= self.requests[rid].max_new_tokens
 
+    def ends_next(self, rid: int) -> bool:
+        """Not done yet, and surely done after one more step (every step emits >= 1 token)."""
+        seen = len(self.outputs[rid]) + self.inflight[rid]
+        return seen < self.requests[rid].max_new_tokens <= seen + 1
+
     def take(self, copy: StepCopy) -> None:
         """Append a landed copy's tokens (and margins) to the outputs; check them against the
         reference (the divergence is learnt here, one step late)."""

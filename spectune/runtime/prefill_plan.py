@@ -54,6 +54,15 @@ def next_forward(prompt_lens: Sequence[int], done: Sequence[int], chunk: int, ma
     return pieces
 
 
+def ends_next_forward(prompt_lens: Sequence[int], done: Sequence[int], chunk: int, max_tokens: int,
+                      max_pieces: int | None = None) -> bool:
+    """Whether the last request's prompt ends in the next forward (``next_forward``), the ones
+    before it taking their pieces first: what admitting it ahead needs (it joins the batch as the
+    request it replaces leaves, not a step later)."""
+    last = len(prompt_lens) - 1
+    return any(p.index == last and p.last for p in next_forward(prompt_lens, done, chunk, max_tokens, max_pieces))
+
+
 def schedule(prompt_lens: Sequence[int], chunk: int, max_tokens: int) -> list[list[Piece]]:
     """Forwards of pieces: every forward holds <= ``max_tokens`` tokens and at most one piece per
     request; a request's pieces come in prompt order in successive forwards."""
@@ -117,13 +126,20 @@ class Riding:
     forward carries the queue's next pieces (``next_forward``: <= ``chunk`` tokens a request, <=
     ``budget`` in all, <= ``max_pieces`` pieces, padded to a bucket of ``default_buckets(chunk,
     budget)``); a request joins the batch at the step after its last piece, whose logits give its
-    first token. A larger admission (a burst) takes separate prefill forwards."""
+    first token. A larger admission (a burst) takes separate prefill forwards. With ``ahead``
+    (``Engine(admit_ahead=N)``) a request the next step surely ends frees its slot for a riding
+    admission before that step when the successor's whole prompt fits that step's pieces
+    (``ends_next_forward``): it rides beside the last step and joins as the request leaves, so
+    no step runs a row short for a prompt. A prompt that would fill over several steps waits
+    (admitted ahead it would only keep later admissions riding: a queue that fills one prompt a
+    step starves the batch)."""
 
     prompt_len: int
     budget: int = RIDE_BUDGET
     limit: int | None = None  # the ride limit; None: the budget (the engine's default)
     chunk: int = PREFILL_CHUNK
     max_pieces: int = RIDE_PIECES  # pieces one step carries at most
+    ahead: bool = False  # admit for the rows the next step surely ends (riding admissions only)
     buckets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +157,11 @@ class Riding:
         """Whether ``admitted`` requests admitted at once, with ``filling`` requests still filling,
         ride in the steps (else: separate prefill forwards)."""
         return filling > 0 or admitted * self.prompt_len <= self.ride_limit
+
+    def ends_next(self, done: Sequence[int]) -> bool:
+        """Whether the last of the requests filling (``done`` prompt tokens cached each) ends its
+        prompt in the next step (``ends_next_forward``)."""
+        return ends_next_forward([self.prompt_len] * len(done), done, self.chunk, self.budget, self.max_pieces)
 
     def pieces(self, done: Sequence[int]) -> list[Piece]:
         """The next step's pieces of the requests filling, ``done`` prompt tokens cached each."""

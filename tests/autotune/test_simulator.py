@@ -362,6 +362,61 @@ def test_a_burst_above_the_ride_limit_takes_separate_forwards_then_admissions_ri
     assert res.ride_steps == 0 and res.prefill_seconds == pytest.approx((5.0 + 5.0 + 10.0 + 0.5 * 16) / 1000.0)
 
 
+def test_admitting_ahead_keeps_the_batch_full_while_prompts_ride():
+    """Plain decoding, every prompt riding one 8-token piece a step: without admission ahead a
+    request's successor is admitted after it ends and rides one step in which the batch runs a
+    row short; admitted ahead (the request had one token left, so the next step surely ends it),
+    the successor's prompt rides beside that last step and joins as it leaves."""
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    kw = dict(RIDE_KW, lengths="geometric", requests=40, mean_output_tokens=6.0)
+    after = simulate(cost, acc, FixedK(0), prefill=lambda n: 0.0, ride=Riding(8, budget=8, limit=1 << 20), **kw)
+    ahead = simulate(cost, acc, FixedK(0), prefill=lambda n: 0.0,
+                     ride=Riding(8, budget=8, limit=1 << 20, ahead=True), **kw)
+    for res in (after, ahead):  # the same requests, every one served, every prompt riding
+        assert res.requests_done == res.admitted == 40
+    assert ahead.tokens == after.tokens
+    # plain decoding emits one token a live request a step: fewer steps = fewer rows short
+    assert ahead.steps < after.steps
+    assert ahead.output_tok_s > after.output_tok_s
+    # the batch ran full (3 rows: 3 tokens a step) on more of its steps
+    assert ahead.tier_hist.get(3, 0) > after.tier_hist.get(3, 0)
+
+
+def test_admitting_ahead_never_admits_a_burst_beside_the_batch():
+    # a ride limit below one prompt: every admission is a burst of separate forwards, live at
+    # once; admission ahead rides only, so it changes nothing here
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    kw = dict(RIDE_KW, lengths="geometric", requests=40, mean_output_tokens=6.0)
+    for k in (0, 2):
+        a = simulate(cost, acc, FixedK(k), prefill=lambda n: 1.0, ride=Riding(8, limit=1), **kw)
+        b = simulate(cost, acc, FixedK(k), prefill=lambda n: 1.0, ride=Riding(8, limit=1, ahead=True), **kw)
+        assert b.ride_steps == a.ride_steps == 0
+        assert (b.steps, b.tokens, b.seconds, b.prefill_seconds) == pytest.approx((a.steps, a.tokens, a.seconds,
+                                                                                  a.prefill_seconds))
+
+
+def test_a_prompt_that_fills_over_several_steps_is_not_admitted_ahead():
+    # 8-token prompts, 4 prompt tokens a step: no successor's prompt fits the step that ends the
+    # request it replaces, so nothing is admitted ahead (it would keep later admissions riding)
+    cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
+    kw = dict(RIDE_KW, lengths="geometric", requests=40, mean_output_tokens=6.0)
+    for k in (0, 2):
+        a = simulate(cost, acc, FixedK(k), prefill=lambda n: 1.0, ride=Riding(8, budget=4, limit=1 << 20), **kw)
+        b = simulate(cost, acc, FixedK(k), prefill=lambda n: 1.0, ride=Riding(8, budget=4, limit=1 << 20, ahead=True),
+                     **kw)
+        assert (b.steps, b.tokens, b.ride_steps, b.seconds) == pytest.approx((a.steps, a.tokens, a.ride_steps, a.seconds))
+
+
+def test_ends_next_forward_follows_the_pieces_before_it():
+    from spectune.runtime.prefill_plan import ends_next_forward
+
+    assert ends_next_forward([8], [0], chunk=8, max_tokens=8)
+    assert not ends_next_forward([8], [0], chunk=4, max_tokens=8)  # two chunks
+    assert not ends_next_forward([8, 8], [0, 0], chunk=8, max_tokens=12)  # the first takes 8 of 12
+    assert ends_next_forward([8, 4], [4, 0], chunk=8, max_tokens=8)  # the first's last 4, then 4
+    assert not ends_next_forward([2, 2, 2], [0, 0, 0], chunk=8, max_tokens=64, max_pieces=2)
+
+
 def test_ride_needs_a_prefill_model_and_checks_its_fields():
     with pytest.raises(SpectuneError, match="prefill"):
         simulate(linear_cost(), curve(0.8), FixedK(1), concurrency=2, steps=10, ride=Riding(8))

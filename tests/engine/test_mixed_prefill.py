@@ -383,6 +383,12 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
     data = json.loads(out.read_text())
     assert data["header"]["ride_pieces"] == 1
     assert all(row["completed"] == 3 and row["mismatches"] == 0 for row in data["rows"])
+    assert data["header"]["admit_ahead"] == 0
+    assert main([*argv, "--admit-ahead"]) == 0  # rows for admissions ahead: max(4, max batch / 4)
+    data = json.loads(out.read_text())
+    assert data["header"]["admit_ahead"] == 4
+    for row in data["rows"]:
+        assert row["completed"] == 3 and row["mismatches"] == 0 and row["prefill_forwards"] == 0
     # the default ride limit is the budget: a 9-token prompt is a burst of its own, prefilled apart
     assert main(argv[:-2]) == 0
     data = json.loads(out.read_text())
@@ -423,3 +429,65 @@ def test_a_riding_step_asks_the_policy_for_its_shape(rig, plain, ride_k):
     assert res.k_hist.get(ride_k, 0) == riding_with_rows  # every riding step with live rows ran ride_k
     assert res.k_hist.get(3, 0) > 0  # the others the plan's K 3
     assert len([s for s in spy.steps if s]) >= riding_with_rows  # (+ steps with no live row)
+
+
+def ahead_engine(rig, budget: int, ahead: int) -> Engine:
+    return mixed_engine(rig, budget, admit_ahead=ahead)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 3])
+def test_admitting_ahead_is_plain_greedy_with_fewer_rows_short(rig, plain, concurrency):
+    # plain decoding: each step emits one token a row, so the engine knows the step that ends a
+    # request and admits its successor's prompt to ride beside it; the outputs stay plain greedy's
+    # and the batch runs short on fewer steps (plain decoding: fewer steps in all)
+    base = mixed_engine(rig, 16)
+    after = base.run(rig.requests, FixedPolicy(0, base.tiers), concurrency=concurrency)
+    engine = ahead_engine(rig, 16, 2)
+    ahead = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=concurrency)
+    check_run(ahead, plain, rig)
+    check_run(after, plain, rig)
+    # forwards in all: decode steps, and steps of prompt pieces alone (no live row)
+    assert len(ahead.step_shapes) + ahead.prefill_steps < len(after.step_shapes) + after.prefill_steps
+    if concurrency == 1:  # the next prompt rides beside the last step instead of a step of its own
+        assert ahead.prefill_steps < after.prefill_steps
+    assert max(n for n, _, _ in ahead.step_shapes) <= concurrency
+
+
+@pytest.mark.parametrize("arm, concurrency", [("fixed:3", 4), ("fixed:1", 3), ("fixed:2", 2)])
+def test_admitting_ahead_with_drafts_is_plain_greedy(rig, plain, arm, concurrency):
+    load_replay(rig, plain.outputs)
+    engine = ahead_engine(rig, 16, 2)
+    res = engine.run(rig.requests, arm_policy(arm, engine.tiers), concurrency=concurrency)
+    check_run(res, plain, rig)
+    assert max(n for n, _, _ in res.step_shapes) <= concurrency
+
+
+def test_admitting_ahead_is_capped_by_its_rows(rig, plain):
+    # no row past max_batch (admit_ahead 0 rows is the engine without it): the same steps as it
+    base = mixed_engine(rig, 16)
+    want = base.run(rig.requests, FixedPolicy(0, base.tiers), concurrency=2)
+    engine = mixed_engine(rig, 16, admit_ahead=0)
+    res = engine.run(rig.requests, FixedPolicy(0, engine.tiers), concurrency=2)
+    assert res.outputs == plain.outputs and res.step_shapes == want.step_shapes
+
+
+def test_admit_ahead_names_the_field(rig):
+    e = rig.engine
+    kw = dict(tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len, num_blocks=e.num_blocks,
+              device="cpu", block_size=BLOCK, kernels=False)
+    with pytest.raises(EngineError, match="admit_ahead: needs mixed_prefill"):
+        Engine(rig.target, admit_ahead=2, **kw)
+    with pytest.raises(EngineError, match="admit_ahead: must be >= 0"):
+        Engine(rig.target, mixed_prefill=True, admit_ahead=-1, **kw)
+
+
+def test_ends_next_is_the_step_before_surely_done():
+    from spectune.engine.run_log import RunLog
+
+    log = RunLog([Request((1, 2), 3)], None)
+    assert not log.ends_next(0) and not log.surely_done(0)
+    log.outputs[0] += [7]
+    log.inflight[0] = 1  # one token seen, one step in flight: the next step surely ends it
+    assert log.ends_next(0) and not log.surely_done(0)
+    log.inflight[0] = 2
+    assert log.surely_done(0) and not log.ends_next(0)
