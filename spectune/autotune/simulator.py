@@ -215,16 +215,17 @@ class _Batch:
     made: np.ndarray  # [b] output tokens emitted so far
     acc: np.ndarray  # [b] drafts accepted so far (request history)
     exp: np.ndarray  # [b] drafts expected to be accepted on the positions it was tested on
+    last: np.ndarray  # [b] tokens emitted at the last step (0: none yet)
 
     def keep(self, mask: np.ndarray) -> None:
-        for name in ("req", "cls", "remaining", "made", "acc", "exp"):
+        for name in ("req", "cls", "remaining", "made", "acc", "exp", "last"):
             setattr(self, name, getattr(self, name)[mask])
 
     def join(self, req: np.ndarray, cls: np.ndarray, remaining: np.ndarray) -> None:
         """New live requests after the others, with no output and no history yet."""
         zeros = np.zeros(len(req))
         for name, x in (("req", req), ("cls", cls), ("remaining", remaining), ("made", zeros.astype(np.int64)),
-                        ("acc", zeros), ("exp", zeros)):
+                        ("acc", zeros), ("exp", zeros), ("last", zeros.astype(np.int64))):
             setattr(self, name, np.concatenate([getattr(self, name), x]))
 
 
@@ -321,7 +322,7 @@ def _start_batch(run: _Run, concurrency: int) -> _Batch:
     b = min(concurrency, run.requests) if run.closed and run.requests is not None else concurrency
     req = np.arange(b, dtype=np.int64)
     cls, remaining = _new_requests(run, req, 0)
-    return _Batch(req, cls, remaining, np.zeros(b, np.int64), np.zeros(b), np.zeros(b))
+    return _Batch(req, cls, remaining, np.zeros(b, np.int64), np.zeros(b), np.zeros(b), np.zeros(b, np.int64))
 
 
 def _live_rates(run: _Run) -> np.ndarray:
@@ -386,6 +387,7 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
     tally.slot_steps += b
     batch.remaining = batch.remaining - emitted
     batch.made = batch.made + emitted
+    batch.last = emitted
     return ms
 
 
@@ -407,7 +409,7 @@ def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, s
     n_new = int(finished.sum())
     batch.req[finished] = np.arange(next_req, next_req + n_new)
     batch.cls[finished], batch.remaining[finished] = _new_requests(run, batch.req[finished], step)
-    batch.made[finished], batch.acc[finished], batch.exp[finished] = 0, 0.0, 0.0
+    batch.made[finished], batch.acc[finished], batch.exp[finished], batch.last[finished] = 0, 0.0, 0.0, 0
     if not keep.all():
         batch.keep(keep)
     return next_req + n_new
@@ -438,9 +440,11 @@ def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req
         next_req += n
     # admission ahead: a request with one token left surely ends at the next step (every step
     # emits one), so its slot may take a successor whose prompt rides beside that step (riding
-    # admissions only; the slots count as after that step: live + filling <= concurrency)
-    # a successor is admitted ahead only if its whole prompt rides in that step (``Riding``)
-    ending = int((batch.remaining == 1).sum()) if run.ride.ahead else 0
+    # admissions only; the slots count as after that step: live + filling <= concurrency). The
+    # engine, whose host runs a step ahead of the device, knows it only where the request had
+    # two left a step earlier (its last step emitted one token); a successor is admitted ahead
+    # only if its whole prompt rides in that step (``Riding``)
+    ending = int(((batch.remaining == 1) & (batch.last == 1)).sum()) if run.ride.ahead else 0
     extra = min(ending, free - max(n, 0) + ending, left - max(n, 0))
     done, take = list(filling.done), 0
     while take < extra and run.ride.rides(take + 1, len(filling)) and run.ride.ends_next([*done, 0]):
@@ -577,7 +581,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
         _admit(run, tally, next_req)
     else:  # the first wave rides, or is a burst of separate forwards
         none = np.zeros(0, np.int64)
-        batch = _Batch(none, none, none, none, np.zeros(0), np.zeros(0))
+        batch = _Batch(none, none, none, none, np.zeros(0), np.zeros(0), none)
         next_req = _arrive(run, tally, batch, filling, 0, concurrency, 0)
     pending = None
     observe = getattr(run.policy, "observe", None)
