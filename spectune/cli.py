@@ -659,6 +659,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="play the GPU's step times from this profile's cost model (same target and "
                         "drafter, e.g. a re-profile), while the policy plans with its own: what the "
                         "controller does where its table's cost model is off")
+    p.add_argument("--host-lag", action="store_true",
+                   help="an engine whose host plans each step while the device runs the one before (spectune "
+                        "bench's): a request that ends on a step emitting two or more of its tokens is learnt a "
+                        "step late and rides one more step as an idle row")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_simulate)
 
@@ -718,7 +722,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
     what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats,
-                  shared=args.shared_planner,
+                  shared=args.shared_planner, host_lag=args.host_lag,
                   served_cost=served_cost_of(args.served_cost, planner.table) if args.served_cost else None)
     if args.decode_tokens is not None:
         what = dataclasses.replace(what, decode_tokens=args.decode_tokens)

@@ -700,3 +700,28 @@ def test_e2e_ceiling_prices_the_prompts_at_the_fits_token_past_the_knee(tmp_path
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and field in err[0]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_sim_host_lag_replays_a_stored_h200_run_with_and_without_the_lag(tmp_path, capsys):
+    """``sim_host_lag.py`` recomputes the bench's prediction of a stored run (the same seeds,
+    requests and acceptance: without the lag it is the stored ``predicted_tok_s``) and with the
+    engine's host lag, whose idle rows are near the measured ones; a trace replay is skipped."""
+    mod = load("sim_host_lag")
+    root = BENCH.parent
+    tuned = root / "benchmarks/results/heldout_h200_v17/bench_heldout_tuned_h200.json"
+    trace = root / "benchmarks/results/heldout_h200_v17/bench_heldout_humaneval_h200.json"
+    out = tmp_path / "lag.json"
+    assert mod.main([str(tuned), str(trace), "--concurrency", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {r["file"] for r in res["rows"]} == {tuned.name}  # the trace replay: skipped
+    stored = {(r["concurrency"], r["arm"]): r["predicted_tok_s"] for r in json.loads(tuned.read_text())["rows"]}
+    for r in res["rows"]:
+        assert r["predicted_tok_s"] == pytest.approx(stored[(r["concurrency"], r["arm"])])
+        if r["arm"] == "plain":  # one token a step: no idle row, no change
+            assert r["idle_rows"] == r["idle_rows_simulated"] == 0
+            assert r["predicted_host_lag_tok_s"] == pytest.approx(r["predicted_tok_s"])
+        else:
+            assert r["idle_rows_simulated"] == pytest.approx(r["idle_rows"], abs=5)
+            assert r["predicted_host_lag_tok_s"] < r["predicted_tok_s"]
+    assert res["summary"]["error_host_lag"]["median_abs"] < res["summary"]["error"]["median_abs"]
+    assert "skipped" in capsys.readouterr().err

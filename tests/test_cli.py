@@ -256,6 +256,24 @@ def test_simulate_mixed_prefill_rides_the_prompts(tmp_path, capsys):
             a["goodput_tok_s"])
 
 
+def test_simulate_host_lag_plays_the_engines_idle_rows(tmp_path, capsys):
+    from tests.engine.test_engine import write_policy
+
+    policy = write_policy(tmp_path / "p.yaml")
+    base = ["simulate", str(policy), "--acceptance", "curve:0.9,0.81,0.73", "--concurrency", "1,4",
+            "--arms", "plain,fixed:2", "--requests", "12", "--repeats", "2", "--json"]
+    assert main(base) == 0
+    now = json.loads(capsys.readouterr().out)
+    assert main([*base, "--host-lag"]) == 0
+    late = json.loads(capsys.readouterr().out)
+    assert now["host_lag"] is False and late["host_lag"] is True
+    for a, b in zip(now["rows"], late["rows"], strict=True):
+        if b["arm"] == "plain":  # one token a step: every end is foreseen
+            assert b["goodput_tok_s"] == pytest.approx(a["goodput_tok_s"])
+        else:  # requests that end on a multi-token step ride one more step idle
+            assert b["goodput_tok_s"] < a["goodput_tok_s"]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--mixed-prefill"], "--prompt-len"),
     (["--prompt-len", "64", "--prefill-budget", "128"], "--prefill-budget"),

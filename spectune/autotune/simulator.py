@@ -104,6 +104,7 @@ class SimResult:
     # ``ride``, the steps that carried prompt pieces with no live request; else 0
     end_to_end: bool = False  # a prefill model was given: ``output_tok_s`` is defined
     ride_steps: int = 0  # decode steps that carried prompt pieces (``simulate(ride=...)``)
+    idle_rows: int = 0  # rows that rode a step after their request ended (``simulate(host_lag=True)``)
 
     @property
     def output_tok_s(self) -> float | None:
@@ -281,6 +282,7 @@ class _Tally:
     admitted: int = 0
     prefill_ms: float = 0.0
     ride_steps: int = 0
+    idle_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,7 @@ class _Run:
     prior: np.ndarray  # [max_k] rates used when the policy has no live estimate
     prefill: PrefillFn | None = None  # ms of admitting n requests at once (separate forwards)
     ride: Riding | None = None  # mixed prefill: prompts ride in the steps
+    host_lag: bool = False  # a request whose last step emitted >= 2 tokens rides one more step idle
 
 
 def _new_requests(run: _Run, ids: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -364,15 +367,16 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
              full: bool, pieces: Sequence[Piece] = ()) -> float:
     assert plan.tier is not None
     b = len(batch.req)
-    emitted = np.minimum(accepted + 1, batch.remaining)
+    emitted = np.maximum(np.minimum(accepted + 1, batch.remaining), 0)  # an idle row (host lag): none
     if pieces:  # prompt pieces ride in this step's forward
         assert run.ride is not None
         ms = step_ms(run.cost, b, k, plan.tier, *run.ride.carried(pieces))
         tally.ride_steps += 1
     else:
         ms = step_ms(run.cost, b, k, plan.tier)
-    tally.lat.append(ms / emitted)
-    tally.wts.append(emitted)
+    live = emitted > 0
+    tally.lat.append(ms / emitted[live])
+    tally.wts.append(emitted[live])
     tally.tokens += int(emitted.sum())
     tally.ms += ms
     if full:
@@ -384,7 +388,8 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
     tally.k_hist[k] = tally.k_hist.get(k, 0) + 1
     tally.tier_hist[plan.tier] = tally.tier_hist.get(plan.tier, 0) + 1
     tally.steps += 1
-    tally.slot_steps += b
+    tally.slot_steps += int(live.sum())
+    tally.idle_rows += b - int(live.sum())
     batch.remaining = batch.remaining - emitted
     batch.made = batch.made + emitted
     batch.last = emitted
@@ -392,9 +397,10 @@ def _account(run: _Run, tally: _Tally, batch: _Batch, plan: Plan, k: int, accept
 
 
 def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, step: int) -> int:
-    """Finished requests leave; queued (closed) or new (open) ones take their slots, with a fresh
+    """Finished requests leave (with ``host_lag``, a step later where the engine learns the end a
+    step late: ``_finished``); queued (closed) or new (open) ones take their slots, with a fresh
     history. Returns the next request id."""
-    finished = batch.remaining <= 0
+    finished = _finished(run, batch)
     if not finished.any():
         return next_req
     tally.done += int(finished.sum())
@@ -420,7 +426,7 @@ def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req
     """Mixed prefill (``run.ride``): finished requests leave, and new ones take the free slots
     (closed: while the queue lasts): riding (they wait in ``filling``) or, a burst with nothing
     filling, by separate prefill forwards (live at once). Returns the next request id."""
-    finished = batch.remaining <= 0
+    finished = _finished(run, batch)
     if finished.any():
         tally.done += int(finished.sum())
         batch.keep(~finished)
@@ -444,7 +450,10 @@ def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req
     # engine, whose host runs a step ahead of the device, knows it only where the request had
     # two left a step earlier (its last step emitted one token); a successor is admitted ahead
     # only if its whole prompt rides in that step (``Riding``)
-    ending = int(((batch.remaining == 1) & (batch.last == 1)).sum()) if run.ride.ahead else 0
+    # (with host_lag also a row staying idle for a step whose last step emitted two: the engine
+    # counts one for the step in flight, so it expects the end at the coming step)
+    ending = int((((batch.remaining == 1) & (batch.last == 1)) | ((batch.remaining == 0) & (batch.last == 2))).sum()
+                 ) if run.ride.ahead else 0
     extra = min(ending, free - max(n, 0) + ending, left - max(n, 0))
     done, take = list(filling.done), 0
     while take < extra and run.ride.rides(take + 1, len(filling)) and run.ride.ends_next([*done, 0]):
@@ -456,6 +465,17 @@ def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req
         filling.add(ids, cls, remaining)
         next_req += take
     return next_req
+
+
+def _finished(run: _Run, batch: _Batch) -> np.ndarray:
+    """[b] the rows that leave after this step: those done, except, with ``host_lag``, one whose
+    last step emitted two or more tokens. The engine's host plans a step while the device runs
+    the one before, so it has the tokens of two steps back: it knows a request is done when that
+    step left it one token to emit (the step in flight emits one), and not when the step in
+    flight emitted more. Such a request rides the next step as an idle row (one slot, no drafts,
+    no output: ``RunResult.idle_rows``) and its successor is admitted after it."""
+    done = batch.remaining <= 0
+    return done & (batch.last < 2) if run.host_lag else done
 
 
 def _join(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, pieces: Sequence[Piece]) -> None:
@@ -503,6 +523,7 @@ def _result(run: _Run, tally: _Tally) -> SimResult:
         prefill_seconds=tally.prefill_ms / 1000.0,
         end_to_end=run.prefill is not None,
         ride_steps=tally.ride_steps,
+        idle_rows=tally.idle_rows,
     )
 
 
@@ -512,7 +533,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
              mean_output_tokens: float = 256.0, workload: Workload = "open",
              lengths: Lengths = "geometric", drift: AcceptanceModel | None = None,
              prior: Sequence[float] | None = None, prefill: PrefillFn | None = None,
-             ride: Riding | None = None) -> SimResult:
+             ride: Riding | None = None, host_lag: bool = False) -> SimResult:
     """Run ``concurrency`` live requests for ``steps`` steps (or until ``requests`` finished).
 
     ``workload``: "open" keeps the batch full (a finished request is replaced at once, a server
@@ -548,6 +569,11 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     last piece, so the batch runs below the concurrency while prompts fill. A step of pieces with
     no live request counts in ``prefill_seconds``; the riding steps count in the decode figures,
     as the engine's decode time holds them.
+
+    ``host_lag``: the reference engine's host runs a step ahead of the device, so a request that
+    ended on a step that emitted two or more of its tokens rides one more step as an idle row
+    before it leaves (``_finished``; the engine's ``RunResult.idle_rows``). Off: a request leaves
+    the step it ends (an engine that reads each step's tokens before planning the next).
     """
     if concurrency < 1:
         raise SpectuneError(f"concurrency must be >= 1, got {concurrency}")
@@ -563,7 +589,7 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
     traffic = _Traffic.of(acceptance, drift, accept_scale)
     base = traffic.prior if prior is None else np.asarray(extend_conditional(tuple(prior), traffic.max_k), float)
     run = _Run(cost, traffic, policy_fn, seed, allocation, closed, requests, steps, mean_output_tokens, lengths,
-               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill, ride)
+               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill, ride, host_lag)
     return _serve(run, concurrency)
 
 
@@ -613,6 +639,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
         if k:
             rates = _live_rates(run)
             granted = _allocate(run, batch, k, min(plan.verify_budget, b * k), rates)
+            granted[batch.remaining <= 0] = 0  # an idle row (host lag) drafts nothing
             accepted, pending = _verify(run, batch, k, granted, rates)
         ms = _account(run, tally, batch, plan, k, accepted, b == concurrency, pieces)
         timed = None if pieces else (b, plan, ms)  # a step that carried pieces is not the plan's cost

@@ -145,9 +145,10 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
                 concurrency: int, requests: int, decode_tokens: int, context_len: int, seeds: Sequence[int],
                 drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
                 accept_scale: float = 1.0, prefill: PrefillFn | None = None,
-                ride: Riding | None = None) -> Predicted:
+                ride: Riding | None = None, host_lag: bool = False) -> Predicted:
     """A closed run of ``requests`` requests of ``decode_tokens`` tokens per seed (module doc);
-    with ``prefill`` (and ``ride``: mixed prefill; ``simulate``'s) also the end-to-end rate."""
+    with ``prefill`` (and ``ride``: mixed prefill; ``simulate``'s) also the end-to-end rate;
+    ``host_lag`` as ``simulate``'s (the reference engine's idle rows)."""
     tokens, seconds, slots, p50, p99 = 0, 0.0, 0, [], []
     full_tokens, full_seconds, outputs, all_seconds, ride_steps = 0, 0.0, 0, 0.0, 0
     k_hist: dict[int, int] = {}
@@ -155,7 +156,7 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
         sim = simulate(cost, acceptance, make_policy(), concurrency=concurrency, context_len=context_len,
                        steps=1_000_000, requests=requests, seed=s, accept_scale=accept_scale,
                        mean_output_tokens=max(1, decode_tokens), workload="closed", lengths="fixed",
-                       drift=drift, prior=prior, prefill=prefill, ride=ride)
+                       drift=drift, prior=prior, prefill=prefill, ride=ride, host_lag=host_lag)
         slots += round(sim.tokens / sim.mean_accept_len) if sim.mean_accept_len else 0
         outputs, all_seconds = outputs + sim.tokens + sim.admitted, all_seconds + sim.seconds + sim.prefill_seconds
         tokens, seconds, ride_steps = tokens + sim.tokens, seconds + sim.seconds, ride_steps + sim.ride_steps
@@ -209,6 +210,7 @@ class WhatIf:
     served_cost: CostModel | None = None  # the GPU's step times (default: the table's own cost model)
     prompt_len: int | None = None  # end to end too: each admission's separate prefill forwards
     ride: Riding | None = None  # mixed prefill (its prompt_len is ``prompt_len``): prompts ride in the steps
+    host_lag: bool = False  # an engine whose host plans a step ahead (``simulate(host_lag=True)``: idle rows)
 
 
 def served_cost_of(path: str, table: Any) -> CostModel:
@@ -249,7 +251,8 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                     return FixedK(k)
                 return trained if trained is not None else what.make_planner()
 
-            p = predict_arm(served, what.acceptance, make, prefill=prefill, ride=what.ride, **work)
+            p = predict_arm(served, what.acceptance, make, prefill=prefill, ride=what.ride, host_lag=what.host_lag,
+                            **work)
             here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
                          "output_tok_s": p.output_tok_s,
                          "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,
@@ -261,6 +264,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     tuned = table.acceptance.get("source") if table.acceptance else None
     return {"rows": rows, "acceptance": source, "tuned_acceptance": tuned, "drift": what.drift is not None,
             "context_len": planner.cost.context_len, "repeats": what.repeats, "prompt_len": what.prompt_len,
+            "host_lag": what.host_lag,
             "mixed_prefill": None if what.ride is None else {"budget": what.ride.budget,
                                                              "ride_limit": what.ride.ride_limit,
                                                              "admit_ahead": what.ride.ahead}}
@@ -271,7 +275,7 @@ def _trained_planner(what: WhatIf, cost: CostModel, work: dict[str, Any]) -> Any
     the timed runs start adapted to the second half and must detect the switch)."""
     planner = what.make_planner()
     run = {key: v for key, v in work.items() if key != "seeds"}
-    predict_arm(cost, what.acceptance, lambda: planner, seeds=[what.seed], **run)
+    predict_arm(cost, what.acceptance, lambda: planner, seeds=[what.seed], host_lag=what.host_lag, **run)
     return planner
 
 

@@ -120,7 +120,7 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
                    speculative: bool, concurrency: int, requests: int, decode_tokens: int, context_len: int,
                    seed: int, drift: AcceptanceModel | None = None, prior: Sequence[float] | None = None,
                    at_measured_accept: bool = True, prefill: Callable[[int], float] | None = None,
-                   ride: Riding | None = None) -> Prediction:
+                   ride: Riding | None = None, host_lag: bool = True) -> Prediction:
     """Decode goodput predictions for one measured (concurrency, arm) run ``res``.
 
     The simulator plays the bench's workload through ``whatif.predict_arm`` (the code path of
@@ -129,20 +129,24 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     ``SIM_REQUESTS`` requests so that the sampling noise of a few requests does not enter the
     prediction; ``drift`` and ``prior`` as the bench serves and ranks.
     ``make_policy()`` gives a fresh policy (online state reset). With the acceptance rescaled the
-    error left is the cost model's and what the simulator leaves out (ride-along rows, the order
-    of admissions); over the measured steps it is the cost model's alone.
+    error left is the cost model's and what the simulator leaves out (the order of admissions);
+    over the measured steps it is the cost model's alone.
     ``at_measured_accept`` False skips the rescaled prediction (a bisection of ~12 simulations).
     ``prefill(n)`` (``runtime.prefill_plan.prefill_ms``: the ms of admitting n requests by separate prefill
     forwards) adds the end-to-end prediction; with ``ride`` (mixed prefill) the admissions that ride
     are priced in the steps that carry them (``simulate(ride=...)``), and the decode prediction is
-    that run's too (the engine's decode time holds the riding steps)."""
+    that run's too (the engine's decode time holds the riding steps). ``host_lag`` (on: this
+    engine's host plans a step ahead of the device) plays the idle rows of requests whose end the
+    host learns a step late (``simulate(host_lag=True)``; against the H200 runs of
+    ``benchmarks/sim_host_lag.py`` it halved the drafting arms' median error)."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
     def run(scale: float, with_prefill: bool = False) -> Predicted:
         return predict_arm(cost, acceptance, make_policy, concurrency=concurrency, requests=requests,
                            decode_tokens=decode_tokens, context_len=context_len, seeds=range(seed, seed + reps),
                            drift=drift, prior=prior, accept_scale=scale,
-                           prefill=prefill if with_prefill or ride is not None else None, ride=ride)
+                           prefill=prefill if with_prefill or ride is not None else None, ride=ride,
+                           host_lag=host_lag)
 
     try:
         first = run(1.0, True)

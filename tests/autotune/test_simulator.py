@@ -417,6 +417,39 @@ def test_ends_next_forward_follows_the_pieces_before_it():
     assert not ends_next_forward([2, 2, 2], [0, 0, 0], chunk=8, max_tokens=64, max_pieces=2)
 
 
+def test_host_lag_keeps_a_request_that_ended_unseen_for_one_idle_step():
+    """``host_lag``: a request whose last step emitted two or more tokens stays one more step as
+    an idle row (a slot with no drafts and no output) before its successor is admitted; one whose
+    last step emitted one leaves at once (the engine expected it). Plain decoding emits one token
+    a step, so it never has an idle row."""
+    cost, acc = linear_cost(), curve(0.9, 0.9, 0.9)
+    kw = dict(RIDE_KW, requests=30, mean_output_tokens=7.0)
+    for k in (0, 3):
+        now = simulate(cost, acc, FixedK(k), **kw)
+        late = simulate(cost, acc, FixedK(k), host_lag=True, **kw)
+        assert now.idle_rows == 0 and now.requests_done == late.requests_done == 30
+        assert late.tokens == now.tokens == 30 * 7  # idle rows emit nothing
+        if k == 0:
+            assert late.idle_rows == 0 and (late.steps, late.seconds) == (now.steps, now.seconds)
+        else:
+            assert late.idle_rows > 0 and late.steps > now.steps and late.goodput_tok_s < now.goodput_tok_s
+            # the steps' slots hold the idle rows; tokens per live slot are the same draws
+            assert late.mean_accept_len == pytest.approx(now.mean_accept_len, rel=0.05)
+
+
+def test_host_lag_idle_rows_are_the_requests_that_ended_on_a_multi_token_step():
+    # at concurrency 1 every idle row is a step of its own: steps = the run's steps without the
+    # lag + one per request whose last step emitted >= 2 tokens
+    cost, acc = linear_cost(), curve(0.9, 0.9, 0.9)
+    kw = dict(RIDE_KW, concurrency=1, requests=12, mean_output_tokens=9.0)
+    now = simulate(cost, acc, FixedK(3), **kw)
+    late = simulate(cost, acc, FixedK(3), host_lag=True, **kw)
+    assert 0 < late.idle_rows <= 12
+    assert late.steps == now.steps + late.idle_rows
+    # each idle step is planned as any step of one row (K 3: a 4-token step), its row drafting nothing
+    assert late.seconds == pytest.approx(now.seconds + late.idle_rows * (10.0 + 0.5 * 4) / 1000.0)
+
+
 def test_ride_needs_a_prefill_model_and_checks_its_fields():
     with pytest.raises(SpectuneError, match="prefill"):
         simulate(linear_cost(), curve(0.8), FixedK(1), concurrency=2, steps=10, ride=Riding(8))
