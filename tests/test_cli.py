@@ -206,6 +206,12 @@ def test_simulate_bad_input(tmp_path, capsys, argv, needle):
     assert "missing.yaml" in one_error_line(capsys, "simulate")
 
 
+def simulate_json(capsys, *argv: str) -> dict:
+    """``spectune simulate ... --json``'s output, parsed (the run must succeed)."""
+    assert main(["simulate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_simulate_prompt_len_adds_end_to_end(tmp_path, capsys):
     from tests.engine.test_engine import write_policy
 
@@ -259,13 +265,9 @@ def test_simulate_mixed_prefill_rides_the_prompts(tmp_path, capsys):
 def test_simulate_host_lag_plays_the_engines_idle_rows(tmp_path, capsys):
     from tests.engine.test_engine import write_policy
 
-    policy = write_policy(tmp_path / "p.yaml")
-    base = ["simulate", str(policy), "--acceptance", "curve:0.9,0.81,0.73", "--concurrency", "1,4",
-            "--arms", "plain,fixed:2", "--requests", "12", "--repeats", "2", "--json"]
-    assert main(base) == 0
-    now = json.loads(capsys.readouterr().out)
-    assert main([*base, "--host-lag"]) == 0
-    late = json.loads(capsys.readouterr().out)
+    base = [str(write_policy(tmp_path / "p.yaml")), "--acceptance", "curve:0.9,0.81,0.73", "--concurrency", "1,4",
+            "--arms", "plain,fixed:2", "--requests", "12", "--repeats", "2"]
+    now, late = simulate_json(capsys, *base), simulate_json(capsys, *base, "--host-lag")
     assert now["host_lag"] is False and late["host_lag"] is True
     for a, b in zip(now["rows"], late["rows"], strict=True):
         if b["arm"] == "plain":  # one token a step: every end is foreseen
