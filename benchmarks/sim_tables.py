@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: one planner trained by a first run serves every seed (the bench's protocol)")
     ap.add_argument("--served-cost", metavar="PROFILE",
                     help="time the runs by this profile's cost model while the policy plans on its own")
+    ap.add_argument("--host-lag", action="store_true",
+                    help="play the bench engine's host lag (idle rows: spectune simulate --host-lag)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     for option, value in (("--requests", a.requests), ("--decode-tokens", a.decode_tokens), ("--repeats", a.repeats)):
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), resolve_acceptance(first, planner.k_hi),
                       resolve_acceptance(second, planner.k_hi) if second else None,
                       decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner,
-                      served_cost=served)
+                      served_cost=served, host_lag=a.host_lag)
         if a.requests is not None:
             what = dataclasses.replace(what, requests=lambda c: a.requests)
         out = simulate_table(what, concurrency, None)

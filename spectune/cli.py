@@ -539,6 +539,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ride-pieces", type=number(int, 1, BENCH_MAX_TOKENS), default=None,
                    help="with --mixed-prefill: prompt pieces one step carries at most (default 16; the "
                         "pieces' attention launch has a program per piece slot)")
+    p.add_argument("--await-ends", action="store_true",
+                   help="the engine's host reads the last step's tokens before planning the next where a live "
+                        "row may have ended and a request waits for its slot (no idle row, no late admission; "
+                        "the device waits for the host there)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="results JSON path")
     p.set_defaults(func=cmd_bench)
@@ -572,6 +576,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         drift=args.drift, repeats=args.repeats, fused=args.fused, mixed_prefill=args.mixed_prefill,
         prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET, ride_limit=args.ride_limit,
         ride_pieces=args.ride_pieces or RIDE_PIECES, admit_ahead=bool(args.admit_ahead),
+        await_ends=args.await_ends,
     )
 
     def num(v, fmt):

@@ -150,6 +150,7 @@ class BenchConfig:
     ride_pieces: int = RIDE_PIECES  # mixed_prefill: prompt pieces one step carries at most
     ride_aware: bool = True  # mixed_prefill: auto's riding steps at plan_ride's shape (False: plan(batch))
     admit_ahead: bool = False  # mixed_prefill: a row the next step surely ends frees its slot now (Engine)
+    await_ends: bool = False  # the host waits for the last step's tokens where a row may have ended (Engine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +321,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
                     max_batch=max_batch, max_k=max_k, max_len=max_len, num_blocks=num_blocks,
                     device=device, block_size=BLOCK_SIZE, proposer=replay, kernels=None if cuda else False,
                     mixed_prefill=config.mixed_prefill, prefill_budget=config.prefill_budget,
-                    ride_limit=config.ride_limit, ride_pieces=config.ride_pieces, admit_ahead=ahead)
+                    ride_limit=config.ride_limit, ride_pieces=config.ride_pieces, admit_ahead=ahead,
+                    await_ends=config.await_ends)
     engine.warm_prefill([prompt_len], max_batch if cuda else min(4, max_batch))
     rng = np.random.default_rng(config.seed)
     prompts = rng.integers(1, args.vocab_size, size=(n_requests, prompt_len))
@@ -385,7 +387,8 @@ def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests
     return predict_decode(setup.planner.cost, served.acceptance, make_policy, res, speculative=k != 0,
                           concurrency=concurrency, requests=n_requests, context_len=context_len, seed=seed,
                           decode_tokens=setup.requests[0].max_new_tokens - 1, drift=served.drift,
-                          prior=setup.prior, at_measured_accept=at_measured_accept, prefill=prefill, ride=ride)
+                          prior=setup.prior, at_measured_accept=at_measured_accept, prefill=prefill, ride=ride,
+                          host_lag=not engine.await_ends)
 
 
 def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], power: Any,
@@ -555,6 +558,8 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "ride_shapes": ("plan_ride" if config.ride_aware else "plan") if config.mixed_prefill else None,
         # rows a prompt may be admitted into ahead of the row it replaces (0: none; older runs: no key)
         "admit_ahead": setup.engine.admit_ahead if config.mixed_prefill else None,
+        # the host waits for the last step's tokens where a row may have ended (older runs: no key)
+        "await_ends": config.await_ends,
     }
 
 

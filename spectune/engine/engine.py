@@ -44,7 +44,12 @@ when its copy lands: it rides along in one more step as a single row without dra
 
 Host waits per iteration, all of them: before planning step s, the copy of step s - 2 must have
 landed (``event.synchronize()``; it waits only when the host is more than one step ahead of the
-GPU, counted in ``RunResult.waits``). Admission copies prompts and block tables from pinned memory
+GPU, counted in ``RunResult.waits``). So a request that ended on step s - 1 by emitting two or
+more tokens is learnt a step late and rides step s as an idle row (``RunResult.idle_rows``; the
+simulator's ``host_lag``). With ``await_ends`` the host also waits for step s - 1's copy when a
+live row may have ended on it (its tokens seen plus K + 1 for each step in flight reach its
+``max_new_tokens``) and a request is queued for the slot: a short stall of the device in place of
+an idle row and a late admission (at batch 1 an idle row is a whole step). Admission copies prompts and block tables from pinned memory
 without waiting. On CUDA, a (rows, K) drafter graph or a prefill bucket not captured by
 ``prepare`` / ``warm_prefill`` is captured when first needed (``RunResult.captures``), which
 synchronises once.
@@ -176,13 +181,15 @@ class Engine:
                  proposer: Proposer | None = None, prior: Sequence[float] | None = None,
                  capture: bool | None = None, kernels: bool | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, mixed_prefill: bool = False, prefill_budget: int = RIDE_BUDGET,
-                 ride_limit: int | None = None, ride_pieces: int = RIDE_PIECES, admit_ahead: int = 0):
+                 ride_limit: int | None = None, ride_pieces: int = RIDE_PIECES, admit_ahead: int = 0,
+                 await_ends: bool = False):
         self.device = torch.device(device)
         if admit_ahead < 0:
             raise EngineError("admit_ahead", f"must be >= 0 (rows), got {admit_ahead}")
         if admit_ahead and not mixed_prefill:
             raise EngineError("admit_ahead", "needs mixed_prefill (an admission ahead rides beside the row it replaces)")
         self.admit_ahead = admit_ahead
+        self.await_ends = await_ends  # wait for the last step's tokens where a row may have ended
         # engine rows: the live ones, then the prompts filling (admitted ahead: up to admit_ahead
         # more while the rows they replace run their last step)
         self.state_rows = max_batch + admit_ahead
@@ -309,7 +316,7 @@ class Engine:
         iter_marks: list[int] = []
         t0 = time.perf_counter()
         while queue or self.rows or self.filling:
-            self._collect(run, must_before=it - 1)
+            self._collect(run, must_before=it if self.await_ends and queue and self._may_have_ended(run) else it - 1)
             self._retire(run)
             if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
                 timed_out = True
@@ -446,6 +453,13 @@ class Engine:
                 copy.event.synchronize()
             self.pending.popleft()
             run.take(copy)
+
+    def _may_have_ended(self, run: RunLog) -> bool:
+        """A live row may be done on the device though the host does not know it yet: its tokens
+        seen plus K + 1 for each step in flight reach its max_new_tokens."""
+        width = self.max_k + 1
+        return any(not run.surely_done(rid) and len(run.outputs[rid]) + run.inflight[rid] * width
+                   >= run.requests[rid].max_new_tokens for rid in self.rows)
 
     def _retire(self, run: RunLog) -> None:
         keep = [i for i, rid in enumerate(self.rows) if not run.surely_done(rid)]

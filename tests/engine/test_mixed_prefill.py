@@ -389,6 +389,11 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
     assert data["header"]["admit_ahead"] == 4
     for row in data["rows"]:
         assert row["completed"] == 3 and row["mismatches"] == 0 and row["prefill_forwards"] == 0
+    assert data["header"]["await_ends"] is False
+    assert main([*argv, "--await-ends"]) == 0
+    data = json.loads(out.read_text())
+    assert data["header"]["await_ends"] is True
+    assert all(row["completed"] == 3 and row["mismatches"] == 0 for row in data["rows"])
     # the default ride limit is the budget: a 9-token prompt is a burst of its own, prefilled apart
     assert main(argv[:-2]) == 0
     data = json.loads(out.read_text())
@@ -491,3 +496,45 @@ def test_ends_next_is_the_step_before_surely_done():
     assert log.ends_next(0) and not log.surely_done(0)
     log.inflight[0] = 2
     assert log.surely_done(0) and not log.ends_next(0)
+
+
+class LateCopies:
+    """On CPU every copy lands at once; this makes the engine's host run a step ahead of the
+    device, as on a GPU: a copy is read only where the engine waits for it (``must_before``)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        return None
+
+
+def lagging(engine: Engine, monkeypatch) -> Engine:
+    send = engine._send
+
+    def late_send(run, copy):
+        send(run, copy)
+        copy.event = LateCopies()
+
+    monkeypatch.setattr(engine, "_send", late_send)
+    return engine
+
+
+@pytest.mark.parametrize("arm, concurrency", [("fixed:3", 2), ("fixed:2", 1)])
+def test_await_ends_reads_the_last_step_where_a_row_may_have_ended(rig, plain, monkeypatch, arm, concurrency):
+    # a host a step ahead learns a request that ended on a multi-token step a step late: it rides
+    # one more step as an idle row; waiting for the last step's tokens where a row may have ended
+    # (and a request is queued) removes those rows, and the outputs stay plain greedy's
+    load_replay(rig, plain.outputs)
+    e = rig.engine
+    runs = {}
+    for wait in (False, True):
+        engine = lagging(Engine(rig.target, tiers=e.tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=e.max_len,
+                                num_blocks=e.num_blocks, device="cpu", block_size=BLOCK, proposer=rig.proposer,
+                                kernels=False, await_ends=wait), monkeypatch)
+        runs[wait] = engine.run(rig.requests, arm_policy(arm, engine.tiers), concurrency=concurrency)
+        assert runs[wait].outputs == plain.outputs and all(runs[wait].done)
+    assert runs[False].idle_rows > 0
+    assert runs[True].idle_rows < runs[False].idle_rows
+    # the slots go to the next requests a step sooner: fewer steps in all
+    assert len(runs[True].step_shapes) < len(runs[False].step_shapes)
