@@ -4,7 +4,9 @@ measured time, the controller deciding every ``decide_every`` steps) at K = 15 w
 that shifts, so the controller works, and step times 5 % off the cost model for every other K;
 at a fixed batch of 32, at a server's batch (a random walk of one step up or down), and at a
 batch that jumps to a new size every step (each step re-decides a stale batch size: the worst
-case of the host time)."""
+case of the host time). Beside them, traffic that does not shift (acceptance 0.8 at every
+position, counters on the plan's K positions only, as an engine reports them) at the fixed and
+the server's batch: the host time of a server whose traffic holds still."""
 
 from __future__ import annotations
 
@@ -68,6 +70,28 @@ def step_us(planner: Planner, steps: int, batch_sizes: list[int]) -> tuple[float
     return us, len(planner.choices())
 
 
+def steady_step_us(planner: Planner, steps: int, batch_sizes: list[int], a: float = 0.8) -> tuple[float, int]:
+    """``step_us`` with acceptance that holds still: each step's counters are those of its plan's K
+    (a request's position i tested when the i - 1 before it were accepted, a fraction ``a`` of
+    the tested accepted), zero past K."""
+    planner.reset_online()
+    n = planner.k_hi
+    counters: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for b in set(batch_sizes):
+        for k in range(n + 1):
+            tested = [b * a ** i if i < k else 0.0 for i in range(n)]
+            counters[(b, k)] = ([t * a for t in tested], tested)
+    plan, observe, observe_time = planner.plan, planner.observe, planner.observe_time
+    model = planner._model_ms
+    t0 = time.perf_counter()
+    for i in range(steps):
+        b = batch_sizes[i % len(batch_sizes)]
+        p = plan(b)
+        observe(*counters[(b, p.k)])
+        observe_time(b, p, model[b].get(p, 10.0) if 0 < b <= planner.max_batch else 10.0)
+    return (time.perf_counter() - t0) / steps * 1e6, len(planner.choices())
+
+
 def served_batches(max_batch: int, steps: int = 4096, seed: int = 0) -> list[int]:
     """A continuous-batching server's batch sizes: a random walk of -1 / 0 / 0 / +1 a step
     (a request retires, none or one is admitted) from half the table's range, inside 1..max_batch."""
@@ -79,11 +103,12 @@ def served_batches(max_batch: int, steps: int = 4096, seed: int = 0) -> list[int
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("policy", nargs="?", help="policy YAML (default: a synthetic 256-batch table)")
     ap.add_argument("--calls", type=int, default=200_000)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_planner.json"))
+    args = ap.parse_args(argv)
     planner = load(args.policy, on_gpu_mismatch="ignore") if args.policy else Planner(synthetic_table())
     sizes = [1 + i % planner.max_batch for i in range(args.calls)]
     assert all(planner.plan(b).tier is not None for b in range(1, planner.max_batch + 1))
@@ -101,18 +126,24 @@ def main() -> None:
     fixed_b, fixed_changed = step_us(planner, steps, [min(32, planner.max_batch)])
     var_b, var_changed = step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)])
     walk_b, walk_changed = step_us(planner, steps, served_batches(planner.max_batch))
+    steady_fixed, _ = steady_step_us(planner, steps, [min(32, planner.max_batch)])
+    steady_walk, _ = steady_step_us(planner, steps, served_batches(planner.max_batch))
     print(f"{'what':<58} {'us':>8}")
     print(f"{'plan() per call':<58} {us:>8.3f}")
     print(f"{'plan_ride() per call, batch 32, 256 prompt tokens riding':<58} {ride_us:>8.3f}")
     print(f"{'plan+observe+observe_time per step, batch 32, K<=15':<58} {fixed_b:>8.3f}   ({fixed_changed} plans moved)")
     print(f"{'  batch of a server (one step in, one out, +-1 a step)':<58} {walk_b:>8.3f}   ({walk_changed} plans moved)")
     print(f"{'  batch jumps 37 every step (a new batch size each step)':<58} {var_b:>8.3f}   ({var_changed} plans moved)")
-    out = Path(__file__).parent / "results" / "bench_planner.json"
-    out.parent.mkdir(exist_ok=True)
+    print(f"{'  traffic that holds still, batch 32':<58} {steady_fixed:>8.3f}")
+    print(f"{'  traffic that holds still, a server batch':<58} {steady_walk:>8.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps({"calls": args.calls, "us_per_call": us, "max_batch": planner.max_batch,
                                        "max_k": planner.k_hi, "decide_every": planner.online.decide_every,
                                        "step_us_fixed_batch": fixed_b, "step_us_served_batch": walk_b,
-                                       "step_us_varying_batch": var_b, "plan_ride_us": ride_us}, indent=1))
+                                       "step_us_varying_batch": var_b, "plan_ride_us": ride_us,
+                                       "step_us_steady_fixed_batch": steady_fixed,
+                                       "step_us_steady_served_batch": steady_walk}, indent=1))
 
 
 if __name__ == "__main__":

@@ -725,3 +725,25 @@ def test_sim_host_lag_replays_a_stored_h200_run_with_and_without_the_lag(tmp_pat
             assert r["predicted_host_lag_tok_s"] < r["predicted_tok_s"]
     assert res["summary"]["error_host_lag"]["median_abs"] < res["summary"]["error"]["median_abs"]
     assert "skipped" in capsys.readouterr().err
+
+
+def test_bench_planner_times_every_step_kind_on_cpu(tmp_path, capsys):
+    """``bench_planner.py``: the planner's host time per call and per server step, shifting and
+    steady traffic, written as JSON (times are not asserted: they are this machine's)."""
+    mod = load("bench_planner")
+    out = tmp_path / "bp.json"
+    mod.main(["--calls", "2000", "--out", str(out)])
+    res = json.loads(out.read_text())
+    keys = ("us_per_call", "plan_ride_us", "step_us_fixed_batch", "step_us_served_batch", "step_us_varying_batch",
+            "step_us_steady_fixed_batch", "step_us_steady_served_batch")
+    assert all(res[k] > 0 for k in keys) and res["max_k"] == 15 and res["calls"] == 2000
+    printed = capsys.readouterr().out
+    assert "holds still" in printed and "plans moved" in printed
+    # the steady counters: K positions tested, none past the plan's K
+    planner = mod.Planner(mod.synthetic_table())
+    plans, seen, plan = [], [], planner.plan
+    planner.plan = lambda b: plans.append(plan(b)) or plans[-1]  # type: ignore[method-assign]
+    planner.observe = lambda acc, tested: seen.append((plans[-1].k, tested))  # type: ignore[method-assign]
+    mod.steady_step_us(planner, 50, [32])
+    assert len(seen) == 50 and any(k for k, _ in seen)
+    assert all(all(t == 0.0 for t in tested[k:]) and all(t > 0 for t in tested[:k]) for k, tested in seen)
