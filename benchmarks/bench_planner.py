@@ -48,48 +48,37 @@ def synthetic_table(max_batch: int = 256) -> Table:
                  Costs(params, CostError(1, 0.0, 0.0)), policy=pol)
 
 
-def step_us(planner: Planner, steps: int, batch_sizes: list[int]) -> tuple[float, int]:
-    """Microseconds per server step (plan then observe), and how many plans changed online."""
-    planner.reset_online()
-    k = planner.k_hi
-    counters = []
-    for j in range(64):  # precomputed counters: acceptance alternating 0.9 / 0.3 every 16 steps
-        a = 0.9 if (j // 16) % 2 == 0 else 0.3
-        tested = [32.0 * a ** i for i in range(k)]
-        counters.append(([t * a for t in tested], tested))
-    plan, observe, observe_time = planner.plan, planner.observe, planner.observe_time
-    model = planner._model_ms
-    t0 = time.perf_counter()
-    for i in range(steps):
-        b = batch_sizes[i % len(batch_sizes)]
-        p = plan(b)
-        observe(*counters[i % 64])
-        ms = model[b].get(p, 10.0) if 0 < b <= planner.max_batch else 10.0
-        observe_time(b, p, ms * (1.05 if p.k % 2 else 1.0))
-    us = (time.perf_counter() - t0) / steps * 1e6
-    return us, len(planner.choices())
-
-
-def steady_step_us(planner: Planner, steps: int, batch_sizes: list[int], a: float = 0.8) -> tuple[float, int]:
-    """``step_us`` with acceptance that holds still: each step's counters are those of its plan's K
-    (a request's position i tested when the i - 1 before it were accepted, a fraction ``a`` of
-    the tested accepted), zero past K."""
+def step_us(planner: Planner, steps: int, batch_sizes: list[int], steady: bool = False,
+            a: float = 0.8) -> tuple[float, int]:
+    """Microseconds per server step (plan then observe), and how many plans changed online.
+    Shifting traffic (default): counters of all K_max positions, acceptance alternating 0.9 / 0.3
+    every 16 steps, step times 5 % off the model at odd K. ``steady``: acceptance ``a`` that holds
+    still, each step's counters those of its plan's K (position i tested where the i before it
+    were accepted, a fraction ``a`` of the tested accepted; zero past K), step times as modelled."""
     planner.reset_online()
     n = planner.k_hi
-    counters: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
-    for b in set(batch_sizes):
-        for k in range(n + 1):
-            tested = [b * a ** i if i < k else 0.0 for i in range(n)]
-            counters[(b, k)] = ([t * a for t in tested], tested)
+    counters: dict[object, tuple[list[float], list[float]]] = {}
+    if steady:
+        for b in set(batch_sizes):
+            for k in range(n + 1):
+                tested = [b * a ** i if i < k else 0.0 for i in range(n)]
+                counters[(b, k)] = ([t * a for t in tested], tested)
+    else:
+        for j in range(64):
+            r = 0.9 if (j // 16) % 2 == 0 else 0.3
+            tested = [32.0 * r ** i for i in range(n)]
+            counters[j] = ([t * r for t in tested], tested)
     plan, observe, observe_time = planner.plan, planner.observe, planner.observe_time
     model = planner._model_ms
     t0 = time.perf_counter()
     for i in range(steps):
         b = batch_sizes[i % len(batch_sizes)]
         p = plan(b)
-        observe(*counters[(b, p.k)])
-        observe_time(b, p, model[b].get(p, 10.0) if 0 < b <= planner.max_batch else 10.0)
-    return (time.perf_counter() - t0) / steps * 1e6, len(planner.choices())
+        observe(*counters[(b, p.k) if steady else i & 63])
+        ms = model[b].get(p, 10.0) if 0 < b <= planner.max_batch else 10.0
+        observe_time(b, p, ms * (1.05 if p.k % 2 and not steady else 1.0))
+    us = (time.perf_counter() - t0) / steps * 1e6
+    return us, len(planner.choices())
 
 
 def served_batches(max_batch: int, steps: int = 4096, seed: int = 0) -> list[int]:
@@ -126,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     fixed_b, fixed_changed = step_us(planner, steps, [min(32, planner.max_batch)])
     var_b, var_changed = step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)])
     walk_b, walk_changed = step_us(planner, steps, served_batches(planner.max_batch))
-    steady_fixed, _ = steady_step_us(planner, steps, [min(32, planner.max_batch)])
-    steady_walk, _ = steady_step_us(planner, steps, served_batches(planner.max_batch))
+    steady_fixed, _ = step_us(planner, steps, [min(32, planner.max_batch)], steady=True)
+    steady_walk, _ = step_us(planner, steps, served_batches(planner.max_batch), steady=True)
     print(f"{'what':<58} {'us':>8}")
     print(f"{'plan() per call':<58} {us:>8.3f}")
     print(f"{'plan_ride() per call, batch 32, 256 prompt tokens riding':<58} {ride_us:>8.3f}")

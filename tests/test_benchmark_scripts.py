@@ -744,6 +744,6 @@ def test_bench_planner_times_every_step_kind_on_cpu(tmp_path, capsys):
     plans, seen, plan = [], [], planner.plan
     planner.plan = lambda b: plans.append(plan(b)) or plans[-1]  # type: ignore[method-assign]
     planner.observe = lambda acc, tested: seen.append((plans[-1].k, tested))  # type: ignore[method-assign]
-    mod.steady_step_us(planner, 50, [32])
+    mod.step_us(planner, 50, [32], steady=True)
     assert len(seen) == 50 and any(k for k, _ in seen)
     assert all(all(t == 0.0 for t in tested[k:]) and all(t > 0 for t in tested[:k]) for k, tested in seen)
