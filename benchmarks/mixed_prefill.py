@@ -13,8 +13,8 @@ last part ``:pM`` caps the prompt pieces a riding step carries at M (``--ride-pi
 attention launch had a slot per engine row); a last part ``:plan`` runs auto's riding steps at
 ``plan(batch)`` instead of ``Planner.plan_ride`` (``mixed:256:all:plan`` beside ``mixed:256:all``
 is the A/B of plan_ride in one call); a last part ``:ahead`` admits ahead (``--admit-ahead``: a
-request the next step surely ends frees its slot before it, so its successor's prompt rides
-beside its last step; ``mixed:256:ahead`` beside ``mixed:256`` is its A/B). Every mode's results JSON is written to
+request that may end by the next step lends its slot to a successor whose prompt rides in that
+step and who joins as the slot frees; ``mixed:256:ahead`` beside ``mixed:256`` is its A/B). Every mode's results JSON is written to
 ``--out-dir`` as ``bench_<mode>.json``, then ``mixed_prefill.json`` holds the table:
 per (mode, concurrency, arm) the mean over repeats of end-to-end output tok/s (the whole run,
 prefill included), decode tok/s (steps only), TTFT mean / p99 and ITL p50 / p99, and end to end

@@ -681,9 +681,9 @@ def _add_ride_options(p: argparse.ArgumentParser, budget_max: int, limit_max: in
                    help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
                         "still riding, takes separate prefill forwards (default: the prefill budget)")
     p.add_argument("--admit-ahead", action="store_const", const=True, default=None,
-                   help="with --mixed-prefill: a request the next step surely ends frees its slot before that "
-                        "step, so its successor's prompt rides beside its last step (no step runs a row short "
-                        "while a prompt rides)")
+                   help="with --mixed-prefill: a request that may end by the next step lends its slot to a "
+                        "successor whose prompt rides in that step; the successor waits ready and joins as the "
+                        "slot frees (no step runs a row short while a prompt rides)")
 
 
 def _only_with_mixed(args: argparse.Namespace, *options: str) -> None:

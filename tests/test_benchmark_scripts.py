@@ -687,12 +687,11 @@ def test_e2e_ceiling_prices_the_prompts_at_the_fits_token_past_the_knee(tmp_path
     # simulated riding run is within a few per cent of the ceiling and not far above it
     assert not rows["plain"]["past_knee"] and rows["auto"]["past_knee"]
     assert 0.95 * rows["auto"]["ceiling"] < rows["auto"]["riding_over_decode"] < 1.02 * rows["auto"]["ceiling"]
-    # admitted ahead: the engine foresees few ends of speculative rows (a row's last step emits
-    # one token after a step that left it two), and plain's waves end together (bursts): both
-    # within a per cent of riding, never past the ceiling's 2 %
-    for r in rows.values():
-        assert r["ahead_over_decode"] == pytest.approx(r["riding_over_decode"], rel=1e-2)
-        assert r["ahead_over_decode"] < 1.02 * max(r["ceiling"], r["riding_over_decode"])
+    # admitted ahead: auto's successors' prompts are cached while the rows they replace may still
+    # run, and join as a slot frees (no step a row short): closer to the ceiling, not past it;
+    # plain's waves end together (bursts of separate forwards as before): within half a per cent
+    assert rows["auto"]["riding_over_decode"] < rows["auto"]["ahead_over_decode"] < 1.02 * rows["auto"]["ceiling"]
+    assert rows["plain"]["ahead_over_decode"] == pytest.approx(rows["plain"]["riding_over_decode"], rel=5e-3)
     capsys.readouterr()
     for bad, field in ((["--concurrency", "0"], "--concurrency"), (["--arms", "fixed:x"], "--arms"),
                        (["--new-tokens", "1"], "--new-tokens")):

@@ -239,6 +239,8 @@ class _Filling:
     cls: list[int] = field(default_factory=list)
     remaining: list[int] = field(default_factory=list)
     done: list[int] = field(default_factory=list)
+    # admitted ahead (``Riding.ahead``): prompt cached, waiting for a free slot (id, class, length)
+    ready: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.req)
@@ -422,16 +424,23 @@ def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, s
 
 
 def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req: int, concurrency: int,
-            step: int) -> int:
-    """Mixed prefill (``run.ride``): finished requests leave, and new ones take the free slots
-    (closed: while the queue lasts): riding (they wait in ``filling``) or, a burst with nothing
-    filling, by separate prefill forwards (live at once). Returns the next request id."""
+            step: int, width: int = 1) -> int:
+    """Mixed prefill (``run.ride``): finished requests leave, ready ones (admitted ahead) take the
+    free slots first, and new ones the rest (closed: while the queue lasts): riding (they wait in
+    ``filling``) or, a burst with nothing filling, by separate prefill forwards (live at once).
+    ``width``: K + 1 of the step just run. Returns the next request id."""
     finished = _finished(run, batch)
     if finished.any():
         tally.done += int(finished.sum())
         batch.keep(~finished)
     assert run.ride is not None
-    free = concurrency - len(batch.req) - len(filling)
+    if filling.ready:  # requests admitted ahead whose prompts are cached take the free slots first
+        room = max(0, concurrency - len(batch.req))
+        joining, filling.ready = filling.ready[:room], filling.ready[room:]
+        if joining:
+            r, c, m = (np.array(x, np.int64) for x in zip(*joining, strict=True))
+            batch.join(r, c, m)
+    free = concurrency - len(batch.req) - len(filling) - len(filling.ready)
     left = (run.requests or 0) - next_req if run.closed else concurrency  # (open: no end to the queue)
     n = min(free, left)
     if n > 0:
@@ -444,16 +453,13 @@ def _arrive(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, next_req
             _admit(run, tally, n)
             return next_req + n
         next_req += n
-    # admission ahead: a request with one token left surely ends at the next step (every step
-    # emits one), so its slot may take a successor whose prompt rides beside that step (riding
-    # admissions only; the slots count as after that step: live + filling <= concurrency). The
-    # engine, whose host runs a step ahead of the device, knows it only where the request had
-    # two left a step earlier (its last step emitted one token); a successor is admitted ahead
-    # only if its whole prompt rides in that step (``Riding``)
-    # (with host_lag also a row staying idle for a step whose last step emitted two: the engine
-    # counts one for the step in flight, so it expects the end at the coming step)
-    ending = int((((batch.remaining == 1) & (batch.last == 1)) | ((batch.remaining == 0) & (batch.last == 2))).sum()
-                 ) if run.ride.ahead else 0
+    # admission ahead: a row that may be done after the coming step, as the engine can tell (its
+    # host has the tokens of the step before the one in flight: remaining + last; the step in
+    # flight and the coming one emit at most K + 1 each) lends its slot to a successor whose
+    # whole prompt rides in that step (``Riding.ends_next``: riding admissions only). The
+    # successor waits ready where the row has not ended yet, and joins as a slot frees. Live +
+    # ready + filling stay within the concurrency plus those rows.
+    ending = int(((batch.remaining + batch.last) <= 2 * width).sum()) if run.ride.ahead else 0
     extra = min(ending, free - max(n, 0) + ending, left - max(n, 0))
     done, take = list(filling.done), 0
     while take < extra and run.ride.rides(take + 1, len(filling)) and run.ride.ends_next([*done, 0]):
@@ -478,13 +484,20 @@ def _finished(run: _Run, batch: _Batch) -> np.ndarray:
     return done & (batch.last < 2) if run.host_lag else done
 
 
-def _join(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, pieces: Sequence[Piece]) -> None:
+def _join(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, pieces: Sequence[Piece],
+          concurrency: int | None = None) -> None:
     """After a step that carried ``pieces``: the requests whose prompt ended join the batch; the
-    last piece's logits gave each its first token."""
+    last piece's logits gave each its first token. Admitted ahead (``Riding.ahead``), those
+    without a free slot wait ready."""
     req, cls, remaining = filling.advance(pieces)
     if len(req):
-        batch.join(req, cls, remaining)
         tally.admitted += len(req)
+        if concurrency is not None and run.ride is not None and run.ride.ahead:
+            room = max(0, concurrency - len(batch.req))
+            filling.ready += list(zip(req[room:].tolist(), cls[room:].tolist(), remaining[room:].tolist(), strict=True))
+            req, cls, remaining = req[:room], cls[:room], remaining[:room]
+        if len(req):
+            batch.join(req, cls, remaining)
 
 
 def _alone_ms(run: _Run, pieces: Sequence[Piece]) -> float:
@@ -621,7 +634,7 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             if not pieces:
                 break
             tally.prefill_ms += _alone_ms(run, pieces)
-            _join(run, tally, batch, filling, pieces)
+            _join(run, tally, batch, filling, pieces, concurrency)
             continue
         if pending is not None and observe is not None:
             observe(*pending)
@@ -648,8 +661,8 @@ def _serve(run: _Run, concurrency: int) -> SimResult:
             _admit(run, tally, refilled - next_req)
             next_req = refilled
         else:
-            _join(run, tally, batch, filling, pieces)
-            next_req = _arrive(run, tally, batch, filling, next_req, concurrency, step + 1)
+            _join(run, tally, batch, filling, pieces, concurrency)
+            next_req = _arrive(run, tally, batch, filling, next_req, concurrency, step + 1, k + 1)
         if (len(batch.req) == 0 and not filling) or (run.requests is not None and tally.done >= run.requests):
             break
     return _result(run, tally)

@@ -12,11 +12,14 @@ One iteration of ``Engine.run`` (a request is a prompt and ``max_new_tokens``; g
             ended its prompt; a burst (more than ``ride_limit`` prompt tokens admitted at once,
             none filling: a closed run's wave) takes separate forwards, where one large forward
             is cheaper than pieces on steps that already run at the compute knee. With
-            ``admit_ahead`` a row the coming step surely ends (``RunLog.ends_next``) frees its
-            slot for a riding admission now: the successor's prompt rides beside that row's
-            last step and joins as it leaves, so no step runs a row short while a prompt rides
-            (at most ``admit_ahead`` prompts at once beyond ``max_batch`` rows; their KV blocks
-            come from the same free list)
+            ``admit_ahead`` a row that may be done after the coming step (``RunLog.may_end``:
+            its tokens seen plus K + 1 for each step in flight and for the coming one reach its
+            length) lends its slot now to a successor whose whole prompt rides in that step:
+            the prompt is cached beside the row's last steps and the successor waits ready
+            (first token known, no decoding) until a slot frees, then joins at once, so no step
+            runs a row short while a prompt rides and a slot the host learns of late is filled
+            the step it learns of it (at most ``admit_ahead`` requests beyond ``max_batch``
+            rows, ready or filling; their KV blocks come from the same free list)
   observe   ``verifier.poll_stats()`` (counters of an earlier step) -> ``policy.observe``; the
             device time of each earlier step whose end mark has landed (``Event.query``, no
             sync; a step that captured a graph or carried prompt pieces is not reported) ->
@@ -232,10 +235,13 @@ class Engine:
 
     def _reset(self) -> None:
         self.rows: list[int] = []  # request of each live row
+        self.ready: list[int] = []  # admitted ahead, prompt cached, waiting for a slot (rows after self.rows)
+        self.concurrency = self.max_batch  # of the run (``run``)
+        self.last_width = 1  # K + 1 of the last step run: what a step may emit per row
         self.free_blocks = deque(b for b in range(self.num_blocks) if b != TRASH_BLOCK)
         self.blocks: dict[int, list[int]] = {}  # request -> its KV blocks
         self.pending: deque[StepCopy] = deque()
-        self.filling = Filling()  # mixed prefill: admitted, prompt not yet cached (rows after self.rows)
+        self.filling = Filling()  # mixed prefill: admitted, prompt not yet cached (rows after the ready ones)
 
     def blocks_for(self, request: Request) -> int:
         return -(-(len(request.prompt) + request.max_new_tokens + self.max_k + KV_SLACK) // self.block_size)
@@ -315,15 +321,18 @@ class Engine:
         forwards0 = self.prefill.forwards
         iter_marks: list[int] = []
         t0 = time.perf_counter()
-        while queue or self.rows or self.filling:
+        self.concurrency = concurrency
+        while queue or self.rows or self.ready or self.filling:
             self._collect(run, must_before=it if self.await_ends and queue and self._may_have_ended(run) else it - 1)
             self._retire(run)
+            self._promote()
             if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
                 timed_out = True
                 break
             iter_marks.append(marks.mark())
             self._admit(run, queue, concurrency, it, marks, iter_marks[-1])
             self._retire(run)  # max_new_tokens == 1: done at its prefill
+            self._promote()
             n = len(self.rows)
             if n == 0:  # every admitted request was done at its prefill, or its prompt is being cached
                 if self.filling:
@@ -344,7 +353,7 @@ class Engine:
             captures_before = self._captures()
             self._share_rates(policy)
             assert plan.tier is not None
-            self._load_ride(run, pieces, ride, plan.tier, plan.k > 0, n)
+            self._load_ride(run, pieces, ride, plan.tier, plan.k > 0, n + len(self.ready))
             drafts = conf = k_valid = None
             if plan.k > 0:
                 drafts, conf = self.drafts(n, plan.k)
@@ -355,6 +364,7 @@ class Engine:
             if plan.k > 0:
                 self._count_declined(out, n, plan.k)
             self._advance(run, out, n, it)
+            self.last_width = plan.k + 1
             if pieces:
                 self._join(run, pieces, n, it, marks)
             run.decode_spans.append((step_mark, len(iter_marks)))
@@ -461,6 +471,15 @@ class Engine:
         return any(not run.surely_done(rid) and len(run.outputs[rid]) + run.inflight[rid] * width
                    >= run.requests[rid].max_new_tokens for rid in self.rows)
 
+    def _promote(self) -> None:
+        """Ready requests (admitted ahead, prompt cached) take the free slots: their rows follow
+        the live ones, so they join in place."""
+        if self.ready:
+            k = min(len(self.ready), self.concurrency - len(self.rows))
+            if k > 0:
+                self.rows += self.ready[:k]
+                self.ready = self.ready[k:]
+
     def _retire(self, run: RunLog) -> None:
         keep = [i for i, rid in enumerate(self.rows) if not run.surely_done(rid)]
         if len(keep) == len(self.rows):
@@ -468,8 +487,8 @@ class Engine:
         for rid in self.rows:
             if run.surely_done(rid):
                 self.free_blocks.extend(self.blocks.pop(rid))
-        n, f = len(self.rows), len(self.filling)
-        order = keep + list(range(n, n + f))  # rows still filling their prompts follow the live ones
+        n, f = len(self.rows), len(self.ready) + len(self.filling)
+        order = keep + list(range(n, n + f))  # ready rows and those still filling follow the live ones
         if order and order != list(range(len(order))):
             self.state.reorder(_to_device(order, torch.int64, self.device))
         self.rows = [self.rows[i] for i in keep]
@@ -479,22 +498,22 @@ class Engine:
     def _admit(self, run: RunLog, queue: deque[int], concurrency: int, it: int, marks: Marks,
                admit_mark: int) -> None:
         new: list[int] = []
-        while queue and len(self.rows) + len(self.filling) + len(new) < concurrency and self._take(run, queue, new):
+        held = len(self.rows) + len(self.ready) + len(self.filling)  # slots held, ready ones too
+        while queue and held + len(new) < concurrency and self._take(run, queue, new):
             pass
         if self.admit_ahead and queue and (self.filling or not new or self._rides(self._prompt_tokens(run, new))):
-            # the rows the coming step surely ends: their successors' prompts may ride beside it
-            # (never a burst: an admission ahead that would not ride waits for the free slot)
-            # (the slots count as after that step: live + filling <= concurrency)
-            ending = sum(run.ends_next(rid) for rid in self.rows)
-            room = min(ending, concurrency + ending - len(self.rows) - len(self.filling) - len(new),
-                       self.state_rows - len(self.rows) - len(self.filling) - len(new))
+            # the rows that may be done after the coming step lend their slots to successors whose
+            # prompts ride beside it (never a burst: one that would not ride waits for a free slot;
+            # live + ready + filling <= concurrency + those rows)
+            ending = sum(run.may_end(rid, self.last_width) for rid in self.rows)
+            room = min(ending, concurrency + ending - held - len(new), self.state_rows - held - len(new))
             while room > 0 and queue and (self.filling or self._rides(
                     self._prompt_tokens(run, new) + len(run.requests[queue[0]].prompt))) \
                     and self._ends_next_step(run, new, queue[0]) and self._take(run, queue, new):
                 room -= 1
         if not new:
             return
-        lo = len(self.rows) + len(self.filling)
+        lo = len(self.rows) + len(self.ready) + len(self.filling)
         s, hi = self.state, lo + len(new)
         reqs = [run.requests[rid] for rid in new]
         tables = [self.blocks[rid] + [TRASH_BLOCK] * (self.max_blocks - len(self.blocks[rid])) for rid in new]
@@ -507,6 +526,7 @@ class Engine:
             for rid in new:  # the prompts ride in the next steps (``_load_ride``)
                 self.filling.add(rid, admit_mark)
             return
+        assert not self.ready  # (ready requests only wait while every slot is live: no free one to burst into)
         first, margins = self._prefill(reqs, lo)  # [m] int64, [m, 2] float32
         s.last_token[lo:hi].copy_(first)
         first_mark = marks.mark()
@@ -571,7 +591,7 @@ class Engine:
         """No live row: the prompt pieces alone, in the smallest tier's step with no request."""
         tier = self.tiers[0]
         pieces, ride = self._next_ride(run)
-        self._load_ride(run, pieces, ride, tier, False, 0)
+        self._load_ride(run, pieces, ride, tier, False, len(self.ready))
         self.verifier.step(self.state.last_token, None, None, 0, Plan(0, 0, tier),
                            context_lens=self.state.context_lens, block_tables=self.state.block_tables, ride=ride)
         run.prefill_steps += 1
@@ -580,13 +600,15 @@ class Engine:
     def _join(self, run: RunLog, pieces: list[Piece], n: int, it: int, marks: Marks) -> None:
         """After a step whose forward carried ``pieces``: each request whose prompt ended takes
         its first token (the row's ``last_token``; a copy to the host, its TTFT mark) and its row
-        moves right after the ``n`` live ones, which it joins."""
+        moves right after the ``n`` live ones and the ready ones; it joins the live ones where a
+        slot is free (admitted ahead: else it waits ready, ``_promote``)."""
         assert self.mixed is not None
         run.mixed_tokens += sum(p.length for p in pieces)
         ended, stay = self.filling.advance(pieces)
         if not ended:
             return
         s, region = self.state, self.mixed.region
+        n += len(self.ready)  # the filling rows follow the live and the ready ones
         rows = _to_device([n + j for j, _, _ in ended], torch.int64, self.device)
         first, margins = region.first.index_select(0, rows), region.margins.index_select(0, rows)
         s.last_token.index_copy_(0, rows, first)
@@ -598,7 +620,11 @@ class Engine:
         order = list(range(n)) + [n + j for j, _, _ in ended] + [n + j for j in stay]
         if order != list(range(len(order))):
             s.reorder(_to_device(order, torch.int64, self.device))
-        self.rows += rids
+        if self.admit_ahead:  # ready ones first, in row order, while slots are free
+            self.ready += rids
+            self._promote()
+        else:
+            self.rows += rids
 
     # -- results --------------------------------------------------------------------------------
 

@@ -203,10 +203,11 @@ class RunLog:
     def surely_done(self, rid: int) -> bool:
         return len(self.outputs[rid]) + self.inflight[rid] >= self.requests[rid].max_new_tokens
 
-    def ends_next(self, rid: int) -> bool:
-        """Not done yet, and surely done after one more step (every step emits >= 1 token)."""
-        seen = len(self.outputs[rid]) + self.inflight[rid]
-        return seen < self.requests[rid].max_new_tokens <= seen + 1
+    def may_end(self, rid: int, width: int) -> bool:
+        """Not known to be done, and done after one more step if each step in flight and that one
+        emit ``width`` (K + 1) of its tokens."""
+        return not self.surely_done(rid) and (len(self.outputs[rid]) + (self.inflight[rid] + 1) * width
+                                              >= self.requests[rid].max_new_tokens)
 
     def take(self, copy: StepCopy) -> None:
         """Append a landed copy's tokens (and margins) to the outputs; check them against the

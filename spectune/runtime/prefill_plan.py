@@ -127,19 +127,20 @@ class Riding:
     ``budget`` in all, <= ``max_pieces`` pieces, padded to a bucket of ``default_buckets(chunk,
     budget)``); a request joins the batch at the step after its last piece, whose logits give its
     first token. A larger admission (a burst) takes separate prefill forwards. With ``ahead``
-    (``Engine(admit_ahead=N)``) a request the next step surely ends frees its slot for a riding
-    admission before that step when the successor's whole prompt fits that step's pieces
-    (``ends_next_forward``): it rides beside the last step and joins as the request leaves, so
-    no step runs a row short for a prompt. A prompt that would fill over several steps waits
-    (admitted ahead it would only keep later admissions riding: a queue that fills one prompt a
-    step starves the batch)."""
+    (``Engine(admit_ahead=N)``) a row that may be done after the next step (its tokens seen plus
+    K + 1 for the step in flight and for the next one reach its length) lends its slot to a
+    successor before that step, when the successor's whole prompt fits that step's pieces
+    (``ends_next_forward``). The prompt rides beside the row's last steps. The successor joins
+    as a slot frees, waiting ready (prompt cached, first token known) where the row has not ended
+    yet. A prompt that would fill over several steps waits (admitted ahead it would only keep
+    later admissions riding: a queue that fills one prompt a step starves the batch)."""
 
     prompt_len: int
     budget: int = RIDE_BUDGET
     limit: int | None = None  # the ride limit; None: the budget (the engine's default)
     chunk: int = PREFILL_CHUNK
     max_pieces: int = RIDE_PIECES  # pieces one step carries at most
-    ahead: bool = False  # admit for the rows the next step surely ends (riding admissions only)
+    ahead: bool = False  # admit for the rows that may end by the next step (riding only); ready ones wait
     buckets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -365,8 +365,8 @@ def test_a_burst_above_the_ride_limit_takes_separate_forwards_then_admissions_ri
 def test_admitting_ahead_keeps_the_batch_full_while_prompts_ride():
     """Plain decoding, every prompt riding one 8-token piece a step: without admission ahead a
     request's successor is admitted after it ends and rides one step in which the batch runs a
-    row short; admitted ahead (the request had one token left, so the next step surely ends it),
-    the successor's prompt rides beside that last step and joins as it leaves."""
+    row short; admitted ahead (the request may end by the next step), the successor's prompt rides
+    beside its last steps and the successor joins as it leaves."""
     cost, acc = linear_cost(), curve(0.8, 0.6, 0.45)
     kw = dict(RIDE_KW, lengths="geometric", requests=40, mean_output_tokens=6.0)
     after = simulate(cost, acc, FixedK(0), prefill=lambda n: 0.0, ride=Riding(8, budget=8, limit=1 << 20), **kw)

@@ -486,16 +486,15 @@ def test_admit_ahead_names_the_field(rig):
         Engine(rig.target, mixed_prefill=True, admit_ahead=-1, **kw)
 
 
-def test_ends_next_is_the_step_before_surely_done():
+def test_may_end_counts_k_plus_one_for_each_step_in_flight_and_the_next():
     from spectune.engine.run_log import RunLog
 
-    log = RunLog([Request((1, 2), 3)], None)
-    assert not log.ends_next(0) and not log.surely_done(0)
-    log.outputs[0] += [7]
-    log.inflight[0] = 1  # one token seen, one step in flight: the next step surely ends it
-    assert log.ends_next(0) and not log.surely_done(0)
-    log.inflight[0] = 2
-    assert log.surely_done(0) and not log.ends_next(0)
+    log = RunLog([Request((1, 2), 9)], None)
+    log.outputs[0] += [7, 7]
+    log.inflight[0] = 1  # 2 seen, a step in flight: after the next one at most 2 + 2 x width
+    assert not log.may_end(0, 3) and log.may_end(0, 4) and log.may_end(0, 5)
+    log.inflight[0] = 7  # 2 + 7 >= 9: surely done already, so not "may end"
+    assert log.surely_done(0) and not log.may_end(0, 4)
 
 
 class LateCopies:
@@ -538,3 +537,28 @@ def test_await_ends_reads_the_last_step_where_a_row_may_have_ended(rig, plain, m
     assert runs[True].idle_rows < runs[False].idle_rows
     # the slots go to the next requests a step sooner: fewer steps in all
     assert len(runs[True].step_shapes) < len(runs[False].step_shapes)
+
+
+@pytest.mark.parametrize("arm, concurrency", [("fixed:3", 2), ("fixed:3", 3), ("fixed:1", 4)])
+def test_admitting_ahead_with_a_host_a_step_behind(rig, plain, monkeypatch, arm, concurrency):
+    # the host learns ends a step late (idle rows): admitted ahead, a successor's prompt is cached
+    # while the row it replaces may still run, waits ready and joins as the slot frees; the
+    # outputs stay plain greedy's, fewer forwards run, and never more rows than the concurrency
+    load_replay(rig, plain.outputs)
+    runs, most_ready = {}, {}
+    for ahead in (0, 2):
+        engine = lagging(mixed_engine(rig, 16, admit_ahead=ahead), monkeypatch)
+        promote, seen = engine._promote, [0]
+
+        def spy(promote=promote, engine=engine, seen=seen):
+            seen[0] = max(seen[0], len(engine.ready))
+            promote()
+
+        monkeypatch.setattr(engine, "_promote", spy)
+        runs[ahead] = res = engine.run(rig.requests, arm_policy(arm, engine.tiers), concurrency=concurrency)
+        check_run(res, plain, rig)
+        assert res.idle_rows > 0 and max(n for n, _, _ in res.step_shapes) <= concurrency
+        most_ready[ahead] = seen[0]
+    assert most_ready[0] == 0 and most_ready[2] > 0  # some successor waited ready
+    forwards = {a: len(r.step_shapes) + r.prefill_steps for a, r in runs.items()}
+    assert forwards[2] < forwards[0]
