@@ -21,8 +21,9 @@ frequent; with ``Engine(mixed_prefill=True)`` their prompt pieces join the next 
            (``prefill.next_forward``; the pieces' attention launch has a program per piece slot,
            used or not: ``runtime.prefill_plan.RIDE_PIECES``): a budget that binds leaves later
            prompts for later steps. A row whose prompt ended joins the batch
-           at the next step, as after a separate prefill. With no live row the step runs the
-           smallest tier with no request (the region alone).
+           at the next step, as after a separate prefill (admitted ahead, ``Engine(admit_ahead=N)``:
+           it waits ready until a slot frees). With no live row the step runs the smallest tier
+           with no request (the region alone).
 
 Rows of requests still filling sit after the live rows (row = live rows + index in ``Filling``),
 so the step's ``num_reqs`` leaves them out. On CUDA one graph per (tier, verify, P), captured when
