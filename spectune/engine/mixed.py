@@ -25,8 +25,8 @@ frequent; with ``Engine(mixed_prefill=True)`` their prompt pieces join the next 
            it waits ready until a slot frees). With no live row the step runs the smallest tier
            with no request (the region alone).
 
-Rows of requests still filling sit after the live rows (row = live rows + index in ``Filling``),
-so the step's ``num_reqs`` leaves them out. On CUDA one graph per (tier, verify, P), captured when
+Rows of requests still filling sit after the live rows and the ready ones (row = live rows +
+ready rows + index in ``Filling``), so the step's ``num_reqs`` leaves them out. On CUDA one graph per (tier, verify, P), captured when
 first needed (``GraphPool.prepare_ride``, counted in ``RunResult.captures``); eager elsewhere.
 """
 
