@@ -485,14 +485,14 @@ def _finished(run: _Run, batch: _Batch) -> np.ndarray:
 
 
 def _join(run: _Run, tally: _Tally, batch: _Batch, filling: _Filling, pieces: Sequence[Piece],
-          concurrency: int | None = None) -> None:
+          concurrency: int) -> None:
     """After a step that carried ``pieces``: the requests whose prompt ended join the batch; the
     last piece's logits gave each its first token. Admitted ahead (``Riding.ahead``), those
     without a free slot wait ready."""
     req, cls, remaining = filling.advance(pieces)
     if len(req):
         tally.admitted += len(req)
-        if concurrency is not None and run.ride is not None and run.ride.ahead:
+        if run.ride is not None and run.ride.ahead:
             room = max(0, concurrency - len(batch.req))
             filling.ready += list(zip(req[room:].tolist(), cls[room:].tolist(), remaining[room:].tolist(), strict=True))
             req, cls, remaining = req[:room], cls[:room], remaining[:room]

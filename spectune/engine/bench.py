@@ -292,8 +292,8 @@ def build(config: BenchConfig, planner: Planner, device: torch.device, concurren
     max_batch = max(concurrency)
     max_len = prompt_len + max_new + max_k + KV_SLACK
     per_request = -(-max_len // BLOCK_SIZE)
-    # admitting ahead (mixed prefill): prompts ride beside the last step of the rows they replace,
-    # in up to ``ahead`` rows past max_batch, with KV blocks of their own
+    # admitting ahead (mixed prefill): successors ride and wait ready beside the last steps of the
+    # rows they replace, in up to ``ahead`` rows past max_batch, with KV blocks of their own
     ahead = max(4, max_batch // 4) if config.admit_ahead and config.mixed_prefill else 0
     num_blocks = 1 + (max_batch + ahead) * per_request
     act_dtype, fp8 = parse_dtype(dtype)

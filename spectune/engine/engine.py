@@ -52,10 +52,10 @@ more tokens is learnt a step late and rides step s as an idle row (``RunResult.i
 simulator's ``host_lag``). With ``await_ends`` the host also waits for step s - 1's copy when a
 live row may have ended on it (its tokens seen plus K + 1 for each step in flight reach its
 ``max_new_tokens``) and a request is queued for the slot: a short stall of the device in place of
-an idle row and a late admission (at batch 1 an idle row is a whole step). Admission copies prompts and block tables from pinned memory
-without waiting. On CUDA, a (rows, K) drafter graph or a prefill bucket not captured by
-``prepare`` / ``warm_prefill`` is captured when first needed (``RunResult.captures``), which
-synchronises once.
+an idle row and a late admission (at batch 1 an idle row is a whole step). Admission copies
+prompts and block tables from pinned memory without waiting. On CUDA, a (rows, K) drafter graph
+or a prefill bucket not captured by ``prepare`` / ``warm_prefill`` is captured when first needed
+(``RunResult.captures``), which synchronises once.
 
 What a run records besides tokens (``engine_run``): per output token the top-1 minus top-2 logit
 of the forward that chose it (plain decoding and prefill; written on the device and copied with
@@ -467,9 +467,7 @@ class Engine:
     def _may_have_ended(self, run: RunLog) -> bool:
         """A live row may be done on the device though the host does not know it yet: its tokens
         seen plus K + 1 for each step in flight reach its max_new_tokens."""
-        width = self.max_k + 1
-        return any(not run.surely_done(rid) and len(run.outputs[rid]) + run.inflight[rid] * width
-                   >= run.requests[rid].max_new_tokens for rid in self.rows)
+        return any(run.may_end(rid, self.max_k + 1, steps=0) for rid in self.rows)
 
     def _promote(self) -> None:
         """Ready requests (admitted ahead, prompt cached) take the free slots: their rows follow

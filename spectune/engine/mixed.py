@@ -26,8 +26,9 @@ frequent; with ``Engine(mixed_prefill=True)`` their prompt pieces join the next 
            with no request (the region alone).
 
 Rows of requests still filling sit after the live rows and the ready ones (row = live rows +
-ready rows + index in ``Filling``), so the step's ``num_reqs`` leaves them out. On CUDA one graph per (tier, verify, P), captured when
-first needed (``GraphPool.prepare_ride``, counted in ``RunResult.captures``); eager elsewhere.
+ready rows + index in ``Filling``), so the step's ``num_reqs`` leaves them out. On CUDA one graph
+per (tier, verify, P), captured when first needed (``GraphPool.prepare_ride``, counted in
+``RunResult.captures``); eager elsewhere.
 """
 
 from __future__ import annotations

@@ -203,10 +203,10 @@ class RunLog:
     def surely_done(self, rid: int) -> bool:
         return len(self.outputs[rid]) + self.inflight[rid] >= self.requests[rid].max_new_tokens
 
-    def may_end(self, rid: int, width: int) -> bool:
-        """Not known to be done, and done after one more step if each step in flight and that one
-        emit ``width`` (K + 1) of its tokens."""
-        return not self.surely_done(rid) and (len(self.outputs[rid]) + (self.inflight[rid] + 1) * width
+    def may_end(self, rid: int, width: int, steps: int = 1) -> bool:
+        """Not known to be done, and done after ``steps`` more steps (0: already, on the device)
+        if each step in flight and each of those emit ``width`` (K + 1) of its tokens."""
+        return not self.surely_done(rid) and (len(self.outputs[rid]) + (self.inflight[rid] + steps) * width
                                               >= self.requests[rid].max_new_tokens)
 
     def take(self, copy: StepCopy) -> None:
