@@ -29,7 +29,7 @@ import json
 import sys
 import time
 
-from spectune.autotune.acceptance import resolve_acceptance
+from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
 from spectune.autotune.whatif import WhatIf, heldout_sources, served_cost_of, simulate_table
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     known = heldout_sources()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("policy")
-    ap.add_argument("--sources", default=",".join(SOURCES), help="names from: " + ", ".join(known))
+    ap.add_argument("--sources", default=",".join(SOURCES),
+                    help="names from: " + ", ".join(known) + ", tuned (the acceptance the table was tuned on)")
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--requests", type=int, help="requests per concurrency (default: 8 waves, at least 64)")
     ap.add_argument("--decode-tokens", type=int, default=127, help="decode tokens per request")
@@ -60,12 +61,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sim_tables: {option}: must be >= 1, got {value}", file=sys.stderr)
             return 2
     names = [n for n in a.sources.split(",") if n]
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known and n != "tuned"]
     if unknown:
-        print(f"sim_tables: --sources: unknown {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)
+        print(f"sim_tables: --sources: unknown {', '.join(unknown)} (known: {', '.join([*known, 'tuned'])})",
+              file=sys.stderr)
         return 2
     concurrency = [int(c) for c in a.concurrency.split(",")]
     planner = load(a.policy, on_gpu_mismatch="ignore")
+    if "tuned" in names and not planner.table.acceptance:
+        print(f"sim_tables: --sources tuned: {a.policy} records no tuned acceptance", file=sys.stderr)
+        return 2
     try:
         served = served_cost_of(a.served_cost, planner.table) if a.served_cost else None
     except SpectuneError as exc:
@@ -74,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rows = []
     for name in names:
-        first, second = known[name]
-        what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), resolve_acceptance(first, planner.k_hi),
-                      resolve_acceptance(second, planner.k_hi) if second else None,
+        if name == "tuned":  # the table's own acceptance, as `spectune bench` serves it by default
+            model, late = AcceptanceModel.from_dict(planner.table.acceptance).widened(planner.k_hi), None
+        else:
+            first, second = known[name]
+            model = resolve_acceptance(first, planner.k_hi)
+            late = resolve_acceptance(second, planner.k_hi) if second else None
+        what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), model, late,
                       decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner,
                       served_cost=served, host_lag=a.host_lag)
         if a.requests is not None:

@@ -486,6 +486,31 @@ def test_sim_tables_plays_another_profiles_step_times(tmp_path, capsys):
     assert len(err) == 1 and "workload.target" in err[0] and not (tmp_path / "x.json").exists()
 
 
+def test_sim_tables_serves_the_tables_own_acceptance_as_tuned(tmp_path, capsys):
+    """``--sources tuned``: the acceptance the table was tuned on (what ``spectune bench`` serves by
+    default) beside a held-out source; a table that records none is refused in one line."""
+    from tests.engine.test_engine import POLICY_YAML, write_policy
+
+    sim = load("sim_tables")
+    policy = write_policy(tmp_path / "p.yaml")
+    argv = ["--concurrency", "2", "--requests", "8", "--decode-tokens", "8", "--repeats", "1"]
+    assert sim.main([str(policy), "--sources", "tuned,low-0.55", *argv, "--out", str(tmp_path / "t.json")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    tuned = [r for r in rows if r["source"] == "tuned"]
+    low = [r for r in rows if r["source"] == "low-0.55"]
+    assert {r["arm"] for r in tuned} >= {"plain", "fixed:1", "auto"} and tuned and low
+    # the tuned curve (0.8, 0.75, 0.75) accepts more than 0.55^i: longer accepted runs at fixed:3
+    accept = {r["source"]: r["mean_accept_len"] for r in rows if r["arm"] == "fixed:3"}
+    assert accept["tuned"] > accept["low-0.55"] + 0.3
+    bare = tmp_path / "bare.yaml"
+    text = POLICY_YAML.split("acceptance:")[0] + "policy:" + POLICY_YAML.split("policy:")[1]
+    bare.write_text(text)
+    capsys.readouterr()
+    assert sim.main([str(bare), "--sources", "tuned", *argv, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tuned" in err[0] and "bare.yaml" in err[0] and not (tmp_path / "x.json").exists()
+
+
 def test_mixed_prefill_compare_runs_on_cpu(tmp_path, capsys):
     mod = load("mixed_prefill")
     policy = Path(__file__).resolve().parent.parent / "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml"

@@ -151,6 +151,13 @@ class AcceptanceModel:
         """Conditional rates of the mean survival curve (a homogeneous summary), [max_k]."""
         return tuple(survival_to_conditional(self.mean_survival(self.max_k)))
 
+    def widened(self, max_k: int) -> AcceptanceModel:
+        """The same model over at least ``max_k`` positions (each class's rates extrapolated)."""
+        if self.max_k >= max_k:
+            return self
+        comps = tuple(Component(c.weight, extend_conditional(c.accept, max_k)) for c in self.components)
+        return AcceptanceModel(self.source, comps, max_k, self.calibration)
+
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """[n, max_k] conditional acceptance rows, one per sampled request (component by weight)."""
         weights = np.array([c.weight for c in self.components], dtype=float)

@@ -40,8 +40,6 @@ import torch
 from spectune import __version__
 from spectune.autotune.acceptance import (
     AcceptanceModel,
-    Component,
-    extend_conditional,
     resolve_acceptance,
 )
 from spectune.autotune.hardware import hardware_facts, parse_device, software_facts
@@ -189,10 +187,7 @@ def bench_tiers(policy_tiers: Sequence[int], concurrency: Sequence[int], ks: Seq
 
 
 def widen(model: AcceptanceModel, max_k: int) -> AcceptanceModel:
-    if model.max_k >= max_k:
-        return model
-    comps = tuple(Component(c.weight, extend_conditional(c.accept, max_k)) for c in model.components)
-    return AcceptanceModel(model.source, comps, max_k, model.calibration)
+    return model.widened(max_k)
 
 
 # ---------------------------------------------------------------------------------------------
