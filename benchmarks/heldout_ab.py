@@ -61,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fused", action="store_true",
                    help="the fused decoder layers (spectune bench --fused): serve a table profiled with them")
     p.add_argument("--mixed-prefill", action="store_true", help="prompts inside the steps (spectune bench --mixed-prefill)")
+    p.add_argument("--no-admit-ahead", action="store_true",
+                   help="with --mixed-prefill: no admission ahead (spectune bench --no-admit-ahead)")
     p.add_argument("--await-ends", action="store_true",
                    help="the host reads the last step's tokens where a row may have ended (spectune bench --await-ends)")
     return p.parse_args(argv)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, device=args.device,
                          target=args.target, time_limit_s=args.time_limit, repeats=args.repeats, progress=False,
                          predict_at_measured_accept=False, fused=args.fused, mixed_prefill=args.mixed_prefill,
-                         await_ends=args.await_ends)
+                         await_ends=args.await_ends, admit_ahead=not args.no_admit_ahead)
     jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json"), own.get(n, base)) for n in names]
     try:
         results = run_sources(config, jobs)

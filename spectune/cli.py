@@ -575,7 +575,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decisive={"auto": None, "on": True, "off": False}[args.decisive_logits],
         drift=args.drift, repeats=args.repeats, fused=args.fused, mixed_prefill=args.mixed_prefill,
         prefill_budget=args.prefill_budget or DEFAULT_PREFILL_BUDGET, ride_limit=args.ride_limit,
-        ride_pieces=args.ride_pieces or RIDE_PIECES, admit_ahead=bool(args.admit_ahead),
+        ride_pieces=args.ride_pieces or RIDE_PIECES, admit_ahead=args.admit_ahead is not False,
         await_ends=args.await_ends,
     )
 
@@ -680,17 +680,19 @@ def _add_ride_options(p: argparse.ArgumentParser, budget_max: int, limit_max: in
     p.add_argument("--ride-limit", type=number(int, 1, limit_max), default=None,
                    help="with --mixed-prefill: an admission of more prompt tokens than this, with no prompt "
                         "still riding, takes separate prefill forwards (default: the prefill budget)")
-    p.add_argument("--admit-ahead", action="store_const", const=True, default=None,
-                   help="with --mixed-prefill: a request that may end by the next step lends its slot to a "
-                        "successor whose prompt rides in that step; the successor waits ready and joins as the "
-                        "slot frees (no step runs a row short while a prompt rides)")
+    p.add_argument("--admit-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --mixed-prefill (on by default there): a request that may end by the next step "
+                        "lends its slot to a successor whose prompt rides in that step; the successor waits "
+                        "ready and joins as the slot frees (no step runs a row short while a prompt rides)")
 
 
 def _only_with_mixed(args: argparse.Namespace, *options: str) -> None:
     """Each of ``options`` given without --mixed-prefill is a usage error naming it."""
     for option in options:
-        if getattr(args, option[2:].replace("-", "_")) is not None and not args.mixed_prefill:
-            raise UsageError(f"{option}: only used with --mixed-prefill")
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None and not args.mixed_prefill:
+            named = "--no-" + option[2:] if value is False else option  # (a BooleanOptionalAction's off)
+            raise UsageError(f"{named}: only used with --mixed-prefill")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -737,7 +739,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         what = dataclasses.replace(what, prompt_len=args.prompt_len)
     if args.mixed_prefill:
         what = dataclasses.replace(what, ride=Riding(args.prompt_len, args.prefill_budget or RIDE_BUDGET,
-                                                     args.ride_limit, ahead=bool(args.admit_ahead)))
+                                                     args.ride_limit, ahead=args.admit_ahead is not False))
     out = simulate_table(what, concurrency, arms)
     out["served_cost"] = args.served_cost
     if args.json:

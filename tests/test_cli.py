@@ -242,16 +242,18 @@ def test_simulate_mixed_prefill_rides_the_prompts(tmp_path, capsys):
     assert main(base) == 0
     separate = json.loads(capsys.readouterr().out)
     assert separate["mixed_prefill"] is None
-    assert main([*base, "--mixed-prefill", "--prefill-budget", "128", "--ride-limit", "4096"]) == 0
+    assert main([*base, "--mixed-prefill", "--prefill-budget", "128", "--ride-limit", "4096", "--no-admit-ahead"]) == 0
     riding = json.loads(capsys.readouterr().out)
     assert riding["mixed_prefill"] == {"budget": 128, "ride_limit": 4096, "admit_ahead": False}
     for a, b in zip(separate["rows"], riding["rows"], strict=True):
         assert b["output_tok_s"] > 0 and b["output_tok_s"] != a["output_tok_s"]
         assert b["goodput_tok_s"] != a["goodput_tok_s"]  # the riding steps are decode steps
-    # admitted ahead: a request's successor rides beside its last step (the batch stays full)
-    assert main([*base, "--mixed-prefill", "--prefill-budget", "128", "--ride-limit", "4096", "--admit-ahead"]) == 0
+    # admitted ahead (mixed prefill's default): a request's successor rides beside its last step
+    assert main([*base, "--mixed-prefill", "--prefill-budget", "128", "--ride-limit", "4096"]) == 0
     ahead = json.loads(capsys.readouterr().out)
     assert ahead["mixed_prefill"]["admit_ahead"] is True
+    assert main([*base, "--mixed-prefill", "--prefill-budget", "128", "--ride-limit", "4096", "--admit-ahead"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == ahead["rows"]
     for a, b in zip(riding["rows"], ahead["rows"], strict=True):
         assert b["output_tok_s"] > 0 and b["output_tok_s"] != a["output_tok_s"]
     # a ride limit below every admission: the prompts take separate forwards, as without riding
@@ -281,6 +283,7 @@ def test_simulate_host_lag_plays_the_engines_idle_rows(tmp_path, capsys):
     (["--prompt-len", "64", "--prefill-budget", "128"], "--prefill-budget"),
     (["--prompt-len", "64", "--ride-limit", "128"], "--ride-limit"),
     (["--prompt-len", "64", "--admit-ahead"], "--admit-ahead"),
+    (["--prompt-len", "64", "--no-admit-ahead"], "--no-admit-ahead"),
     (["--prompt-len", "64", "--mixed-prefill", "--prefill-budget", "0"], "--prefill-budget"),
     (["--prompt-len", "64", "--mixed-prefill", "--ride-limit", "x"], "--ride-limit"),
 ])

@@ -147,7 +147,7 @@ class BenchConfig:
     ride_limit: int | None = None  # mixed_prefill: a larger admission takes separate forwards (None: the budget)
     ride_pieces: int = RIDE_PIECES  # mixed_prefill: prompt pieces one step carries at most
     ride_aware: bool = True  # mixed_prefill: auto's riding steps at plan_ride's shape (False: plan(batch))
-    admit_ahead: bool = False  # mixed_prefill: a row that may end by the next step lends its slot now (Engine)
+    admit_ahead: bool = True  # mixed_prefill: a row that may end by the next step lends its slot now (Engine)
     await_ends: bool = False  # the host waits for the last step's tokens where a row may have ended (Engine)
 
 

@@ -118,6 +118,7 @@ def test_k_runs_codes_the_steps_in_order():
     (["--mixed-prefill", "--ride-limit", "0"], "--ride-limit"),
     (["--ride-pieces", "4"], "--ride-pieces"),  # without --mixed-prefill
     (["--admit-ahead"], "--admit-ahead"),  # without --mixed-prefill
+    (["--no-admit-ahead"], "--no-admit-ahead"),  # without --mixed-prefill
     (["--mixed-prefill", "--ride-pieces", "0"], "--ride-pieces"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, argv, needle):

@@ -383,8 +383,13 @@ def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_pa
     data = json.loads(out.read_text())
     assert data["header"]["ride_pieces"] == 1
     assert all(row["completed"] == 3 and row["mismatches"] == 0 for row in data["rows"])
+    assert data["header"]["admit_ahead"] == 4  # on by default: rows for admissions ahead, max(4, max batch / 4)
+    assert main([*argv, "--no-admit-ahead"]) == 0
+    data = json.loads(out.read_text())
     assert data["header"]["admit_ahead"] == 0
-    assert main([*argv, "--admit-ahead"]) == 0  # rows for admissions ahead: max(4, max batch / 4)
+    for row in data["rows"]:
+        assert row["completed"] == 3 and row["mismatches"] == 0 and row["prefill_forwards"] == 0
+    assert main([*argv, "--admit-ahead"]) == 0
     data = json.loads(out.read_text())
     assert data["header"]["admit_ahead"] == 4
     for row in data["rows"]:
