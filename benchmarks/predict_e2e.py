@@ -27,7 +27,7 @@ from typing import Any
 
 from spectune.autotune.acceptance import resolve_acceptance
 from spectune.autotune.whatif import predict_arm, tuned_prior
-from spectune.engine.bench import FixedPolicy, bench_tiers, parse_arm, widen
+from spectune.engine.bench import FixedPolicy, bench_tiers, parse_arm
 from spectune.engine.bench_accounting import SIM_REQUESTS
 from spectune.io import atomic_write_text
 from spectune.runtime.planner import Planner, load
@@ -45,7 +45,7 @@ def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
     planner = load(str(policy), on_gpu_mismatch="ignore")
     max_k = max(1, planner.k_hi)
     source = h["acceptance"].split(" (")[0]
-    model = widen(resolve_acceptance(source, max_k), max_k)
+    model = resolve_acceptance(source, max_k).widened(max_k)
     prompt_len, max_new = h["prompt_len"], h["max_new_tokens"]
     prefill = prefill_ms(planner.cost, prompt_len)  # the bench engine's chunk and forward size
     ride, mode = None, "separate"

@@ -186,10 +186,6 @@ def bench_tiers(policy_tiers: Sequence[int], concurrency: Sequence[int], ks: Seq
     return sorted(exact | set(policy_tiers) | {1 << i for i in range(top.bit_length()) if 1 << i <= top})
 
 
-def widen(model: AcceptanceModel, max_k: int) -> AcceptanceModel:
-    return model.widened(max_k)
-
-
 # ---------------------------------------------------------------------------------------------
 # models and engine
 
@@ -255,8 +251,8 @@ def resolve_served(config: BenchConfig, planner: Planner, acceptance: str | None
     else:
         model, late = resolve_acceptance(acceptance or _table_acceptance(planner.table), max_k), None
         source = model.source
-    model = widen(model, max_k)
-    late = widen(late, max_k) if late is not None else None
+    model = model.widened(max_k)
+    late = late.widened(max_k) if late is not None else None
     arms: dict[int, tuple[str, ...]] = {}
     for c in concurrency:
         if config.arms is not None:
@@ -329,9 +325,9 @@ def draws(served: Served, n: int, max_k: int, max_new: int, seed: int, repeat: i
     """Conditional rates per request [n, max_k] (requests n // 2.. from the drift model) and
     coins per output index [n, max_new] of one repeat: arms of a repeat share them."""
     rng = np.random.default_rng([seed, repeat])
-    rows = widen(served.acceptance, max_k).sample(rng, n)[:, :max_k]
+    rows = served.acceptance.widened(max_k).sample(rng, n)[:, :max_k]
     if served.drift is not None:
-        rows[n // 2:] = widen(served.drift, max_k).sample(rng, n)[n // 2:, :max_k]
+        rows[n // 2:] = served.drift.widened(max_k).sample(rng, n)[n // 2:, :max_k]
     return (torch.tensor(rows, dtype=torch.float32),
             torch.tensor(rng.random((n, max_new)), dtype=torch.float32))
 
