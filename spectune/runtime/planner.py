@@ -349,6 +349,7 @@ class Planner:
         self._cands: list[list[tuple[Plan, float]]] = [[] for _ in range(self.max_batch + 1)]
         self._fac: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]
         self._model_ms: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]  # (``observe_time``)
+        self._cand_ms: list[dict[Plan, float]] = [{} for _ in range(self.max_batch + 1)]
         # per candidate of each batch size, what ``_decide``'s loop reads and never changes:
         # (plan, model ms, q, r of the budget over b (q capped at max_k), K, calibration factor)
         self._loop: list[list[tuple[Plan, float, int, int, int, float]]] = [[] for _ in range(self.max_batch + 1)]
@@ -373,6 +374,7 @@ class Planner:
                 self._loop[b] = [(p, ms, *_split_budget(p.verify_budget, b, self.k_hi), p.k, self._fac[b][p])
                                  for p, ms in self._cands[b]]
                 self._model_ms[b] = dict(self._cands[b])
+                self._cand_ms[b] = dict(self._cands[b])  # (``_decide``: the candidates' own, never grows)
                 self._blind[b] = next((p for p, _ in self._cands[b] if p.k == 1 and p.verify_budget == b), None)
 
     def _candidates(self, b: int, table_plan: Plan) -> list[tuple[Plan, float]]:
@@ -732,16 +734,19 @@ class Planner:
         expect = sum(t * p for t, p in zip(s.T, self.prior, strict=True))
         drift = s.drift = (sum(s.A) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
         z, phi, sqrt = self.online.z, s.phi, math.sqrt
-        rates, lows, highs = [], [], []
+        rates: list[float] = []
+        lows: list[float] = []
+        highs: list[float] = []
+        rate, low, high = rates.append, lows.append, highs.append
         for A, T, p in zip(s.A, s.T, self.prior, strict=True):
             base = p * drift
             n = T + SHRINK
             a = ((A if A < T else T) + SHRINK * (base if base < 1.0 else 1.0)) / n
             v = a * (1.0 - a)
             e = z * sqrt(phi * (v if v > 1e-4 else 1e-4) / n)
-            rates.append(a)
-            lows.append(a - e if a > e else 0.0)
-            highs.append(a + e if a + e < 1.0 else 1.0)
+            rate(a)
+            low(a - e if a > e else 0.0)
+            high(a + e if a + e < 1.0 else 1.0)
         s.a, s.lo, s.hi = rates, lows, highs
         s.sums = {}
         s.ride = {}
@@ -765,23 +770,21 @@ class Planner:
             if T[0] * g < 1e-3:  # long gone
                 s.RA[k], s.RT[k] = [], []
                 continue
-            rates, var = [], []
+            rates, var, surv_before = [], [], []  # (surv_before[i]: the product of the rates before i)
+            surv, y_k, y_pool, sp = 1.0, 1.0, 1.0, 1.0
             for x, t, a in zip(s.RA[k], T, s.a, strict=False):
                 x, t = g * x, g * t
                 n = t + REGIME_SHRINK
                 r = ((x if x < t else t) + REGIME_SHRINK * a) / n
                 rates.append(r)
                 var.append(phi * r * (1.0 - r) * t / (n * n))
-            surv, y_k, y_pool, sp = 1.0, 1.0, 1.0, 1.0
-            for r, a in zip(rates, s.a, strict=False):
+                surv_before.append(surv)
                 surv *= r
                 sp *= a
                 y_k += surv
                 y_pool += sp
             # dY/da_i = s_{i-1} * h_i,  h_K = 1,  h_i = 1 + a_{i+1} h_{i+1}
-            h, v2, surv_before = 1.0, 0.0, [1.0]
-            for r in rates[:-1]:
-                surv_before.append(surv_before[-1] * r)
+            h, v2 = 1.0, 0.0
             for i in range(len(rates) - 1, -1, -1):
                 d = surv_before[i] * h
                 v2 += d * d * var[i]
@@ -816,13 +819,16 @@ class Planner:
             return
         s.decided_at[b] = s.steps
         cur = s.choice[b]
-        cur_ms = next((ms for p, ms in self._cands[b] if p is cur or p == cur), None)
+        cur_ms = self._cand_ms[b].get(cur)
         if cur_ms is None:
             return
         timed = self.online.time_feedback and s.timed > 0  # shapes scored at their measured times
         ut_cur = 0.0
-        if timed:
-            f_cur, ut_cur = self._timing(b, cur)
+        if timed:  # (``_timing``, its pool offsets read once for the loop below)
+            shapes = s.lt.get(b, {})
+            g0, g1 = self._pool_offsets(b)
+            f0, f1, u_none = math.exp(g0), math.exp(g1), self._time_err
+            f_cur, ut_cur = self._shape_timing(shapes.get(cur, (0.0, 0.0)), g1 if cur.k else g0)
             cur_ms *= f_cur
         # pessimistic rates of a deeper shape: the point estimate on the positions the current
         # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
@@ -857,33 +863,33 @@ class Planner:
         fac = self._fac[b]  # (below: ``_tokens`` of the chosen shapes)
         best_ms = probe_ms = cur_ms
         ut = 0.0
-        if timed:  # (``_timing`` inlined: a shape not timed takes its pool's offset)
-            shapes = s.lt.get(b, {})
-            g0, g1 = self._pool_offsets(b)
-            f0, f1, u_none = math.exp(g0), math.exp(g1), self._time_err
+        cur_k, exp, sqrt = cur.k, math.exp, math.sqrt
         for p, ms, q, r, k, f_p in self._loop[b]:  # _tokens inlined: this loop is the controller's host time
-            if timed:
+            if timed:  # (``_timing`` and ``_shape_timing`` inlined: a shape not timed takes its pool's offset)
                 nm = shapes.get(p)
                 if nm is None:
                     ms *= f1 if k else f0
                     ut = u_none
                 else:
-                    f_t, ut = self._shape_timing(nm, g1 if k else g0)
-                    ms *= f_t
+                    n_t, m_t = nm
+                    g_t = g1 if k else g0
+                    ms *= exp(g_t + n_t / (n_t + TIME_PRIOR) * (m_t - g_t))
+                    ut = u_none * sqrt(TIME_PRIOR / (n_t + TIME_PRIOR))
             c, u, n_k = corr[k]
             c *= f_p
-            t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
-            if k and t_hi > probe_g * ms and k <= probe_k and (n_k < REGIME_SHRINK or k == cur.k or not trials):
-                # optimistic: best under the upper bounds (a K measured in a block of its own is
-                # not probed: one step of it inside another K's run measures neither; trials do)
-                probe, probe_g, probe_ms = p, t_hi / ms, ms
+            if k and k <= probe_k and (n_k < REGIME_SHRINK or k == cur_k or not trials):
+                t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
+                if t_hi > probe_g * ms:
+                    # optimistic: best under the upper bounds (a K measured in a block of its own is
+                    # not probed: one step of it inside another K's run measures neither; trials do)
+                    probe, probe_g, probe_ms = p, t_hi / ms, ms
             t_mid = (b + b * S_mid[q] + r * s_mid[q + 1]) * c
             if p is blind:  # (also where it is the choice: a choice that turns plain from it)
                 blind_g = t_mid / ms
             if p is cur:
                 continue
-            if k != cur.k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
-                    1.0 + z * math.sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
+            if k != cur_k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
+                    1.0 + z * sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
                 trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
                 # (by its tokens, or by a time not measured yet: a trial times it too)
             if tried and k == tried and t_mid > tried_g * ms:
@@ -892,6 +898,7 @@ class Planner:
                 continue  # the point estimate's gain is below the margin, so is its lower bound
                 # (or plain, which would stop the evidence, on too little of it: ``PLAIN_EVIDENCE``)
             t_lo = (b + b * S_lo[q] + r * s_lo[q + 1]) * c
+            t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
             lb = min(t_lo / tok_cur[0], t_hi / tok_cur[2]) * cur_ms / ms
             if lb > best_lb:
                 best, best_lb, best_ms = p, lb, ms
@@ -1091,11 +1098,15 @@ def _split_budget(budget: int, batch: int, top: int) -> tuple[int, int]:
 def _survival_sums(rates: Sequence[float]) -> tuple[list[float], list[float]]:
     """s[j] = prod(a_1..a_j) and S[j] = s_1 + ... + s_j for j = 0..len (s[0] = 1, S[0] = 0);
     s has one more entry, 0.0, so s[q + 1] exists for every q <= len."""
+    x, y = 1.0, 0.0
     s, S = [1.0], [0.0]
+    s_add, S_add = s.append, S.append
     for a in rates:
-        s.append(s[-1] * a)
-        S.append(S[-1] + s[-1])
-    s.append(0.0)
+        x *= a
+        y += x
+        s_add(x)
+        S_add(y)
+    s_add(0.0)
     return s, S
 
 
