@@ -771,3 +771,31 @@ def test_bench_planner_times_every_step_kind_on_cpu(tmp_path, capsys):
     mod.step_us(planner, 50, [32], steady=True)
     assert len(seen) == 50 and any(k for k, _ in seen)
     assert all(all(t == 0.0 for t in tested[k:]) and all(t > 0 for t in tested[:k]) for k, tested in seen)
+
+
+def test_planner_trace_passes_the_same_planner_and_names_the_step_a_changed_one_differs(tmp_path, capsys):
+    """``planner_trace.py``: a reference planner equal to the working copy's gives the same plans
+    and end state on every workload (exit 0); one whose estimate shrinks less toward the prior is
+    reported per workload with where it first differs (exit 1); a bad revision or table is one line."""
+    import spectune.runtime.planner as planner
+
+    mod = load("planner_trace")
+    table = str(Path(planner.__file__).resolve().parents[1] / "profiles" / "nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml")
+    src = Path(planner.__file__).read_text()
+    same = tmp_path / "same.py"
+    same.write_text(src)
+    assert mod.main([table, "--against-file", str(same), "--steps", "120"]) == 0
+    assert "15 of 15 the same" in capsys.readouterr().out
+    assert "SHRINK = 32.0" in src
+    changed = tmp_path / "changed.py"
+    changed.write_text(src.replace("SHRINK = 32.0", "SHRINK = 8.0", 1))
+    assert mod.main([table, "--against-file", str(changed), "--steps", "120"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("differs:") >= 3 and "of 15 the same" in out and "15 of 15" not in out
+    assert "step " in out or "end state" in out
+    with pytest.raises(SystemExit) as e:
+        mod.main([table, "--against", "no-such-revision"])
+    assert "no-such-revision" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit):
+        mod.main([str(tmp_path / "missing.yaml"), "--against-file", str(same)])
+    assert "missing.yaml: no such policy table" in capsys.readouterr().err
