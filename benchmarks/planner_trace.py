@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import random
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -49,15 +47,12 @@ def planner_at(rev: str, source: Path | None = None) -> ModuleType:
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             raise SystemExit(f"planner_trace: --against {rev}: no {PLANNER} there ({detail.strip()})") from None
-        tmp = Path(tempfile.mkdtemp()) / "planner_at_rev.py"
-        tmp.write_text(text)
-        source = tmp
-    name = f"planner_at_{abs(hash(str(source)))}"
-    spec = importlib.util.spec_from_file_location(name, source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (a dataclass looks its module up while it is made)
-    spec.loader.exec_module(module)
+        where = f"{rev}:{PLANNER}"
+    else:
+        text, where = source.read_text(), str(source)
+    module = ModuleType("planner_reference")
+    sys.modules[module.__name__] = module  # (a dataclass looks its module up while it is made)
+    exec(compile(text, where, "exec"), module.__dict__)
     return module
 
 

@@ -863,18 +863,16 @@ class Planner:
         fac = self._fac[b]  # (below: ``_tokens`` of the chosen shapes)
         best_ms = probe_ms = cur_ms
         ut = 0.0
-        cur_k, exp, sqrt = cur.k, math.exp, math.sqrt
+        cur_k, sqrt = cur.k, math.sqrt
         for p, ms, q, r, k, f_p in self._loop[b]:  # _tokens inlined: this loop is the controller's host time
-            if timed:  # (``_timing`` and ``_shape_timing`` inlined: a shape not timed takes its pool's offset)
+            if timed:  # (``_timing`` inlined: a shape not timed takes its pool's offset)
                 nm = shapes.get(p)
                 if nm is None:
                     ms *= f1 if k else f0
                     ut = u_none
                 else:
-                    n_t, m_t = nm
-                    g_t = g1 if k else g0
-                    ms *= exp(g_t + n_t / (n_t + TIME_PRIOR) * (m_t - g_t))
-                    ut = u_none * sqrt(TIME_PRIOR / (n_t + TIME_PRIOR))
+                    f_t, ut = self._shape_timing(nm, g1 if k else g0)
+                    ms *= f_t
             c, u, n_k = corr[k]
             c *= f_p
             if k and k <= probe_k and (n_k < REGIME_SHRINK or k == cur_k or not trials):
