@@ -24,9 +24,11 @@ with m = ``SHRINK`` pseudo-drafts and d = ``DRIFT_SHRINK`` pseudo-accepts (as th
 without new drafts the estimate returns to the prior and its bounds widen). Positions never
 tested (deeper than any K run so far) follow the drifted prior with the prior's uncertainty.
 
-Decision for batch b (every ``online.decide_every`` observed steps for the batch last planned,
-and in ``plan`` when the batch size changes to one whose choice is that stale -- a draining
-batch visits each size for a step or two):
+Decision for batch b (every ``online.decide_every`` observed steps for the batch last planned;
+sooner when the block so far holds ``EARLY_FOLD_DRAFTS`` tested first drafts and at least as many
+as the estimate -- a cold start or a reset at a large batch, where one or two steps say what a
+block would; and in ``plan`` when the batch size changes to one whose choice is that stale -- a
+draining batch visits each size for a step or two):
 candidates are every K in [min_k, max_k] (K = 0 included) with every verify budget that fills a
 captured tier (b*K if a tier holds it, else the largest tier that does not), each with its step
 time from the cost model precomputed at load. Expected tokens of a candidate under rates a are
@@ -162,6 +164,8 @@ MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the chang
 PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
 PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
 PLAIN_EVIDENCE = 128.0  # tested first drafts a drafting choice needs before it may turn plain (``_decide``)
+EARLY_FOLD_DRAFTS = 4 * PLAIN_EVIDENCE  # a block holding this many first drafts, and as many as the estimate, is
+# decided on at once (``observe``): at batch 256, two steps; below batch 64, never sooner than the block
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
 BLIND_COST = 0.25  # a plain choice's K = 1 probe costs at most this fraction of the margin (as trials) ...
 BLIND_WAIT = 16  # ... and runs at least every BLIND_WAIT * probe_every steps
@@ -551,11 +555,15 @@ class Planner:
             s.rt = list(map(add, s.rt, off)) if s.rt else list(off)
         s.steps += 1
         every = self.online.decide_every
-        if s.steps - s.folded < every and not (off[0] and s.pt[0] >= every and self._page_fires()):
-            return  # estimate, test and decide every decide_every observed steps (sooner when the
-            # block so far already carries Page's test past its limit -- a shift shows in a step
-            # -- once it has tested as many first drafts as a block of batch 1 does: fewer are
-            # noise, at batch 1 the early test cost 1 % on a drift and 0.6 % on a two-class mix)
+        if s.steps - s.folded < every and not (off[0] and (
+                s.pt[0] >= EARLY_FOLD_DRAFTS and s.pt[0] >= s.T[0] or s.pt[0] >= every and self._page_fires())):
+            return  # estimate, test and decide every decide_every observed steps; sooner when the
+            # block so far holds enough first drafts to act on and as many as the estimate (after a
+            # reset, a cold start or a long plain spell: at batch 256 two steps, where waiting out
+            # the block ran the table's K = 1 for 3-9 steps of HumanEval n-gram that plain wins),
+            # or when it already carries Page's test past its limit -- a shift shows in a step --
+            # once it has tested as many first drafts as a block of batch 1 does: fewer are
+            # noise, at batch 1 the early test cost 1 % on a drift and 0.6 % on a two-class mix
         block = self._fold()
         if self._changed():  # forget the old traffic (its deep positions would stay stale) and
             s.changes += 1  # its choices: back to the table until the new traffic is measured
