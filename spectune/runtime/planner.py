@@ -150,6 +150,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from operator import add
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from spectune.errors import SpectuneError, TableError
@@ -1149,9 +1150,29 @@ def check_gpu(table: Table, *, on_gpu_mismatch: OnMismatch = "warn", gpu_name: s
         return
     where = f"{file}: " if file is not None else ""
     msg = f"{where}hardware.gpu: table measured on {table.hardware.gpu!r}, this GPU is {current!r}"
+    if file is not None:
+        mine = _tables_of_gpu(Path(file).parent, current, table)
+        msg += (f"; this GPU's table of the same workload beside it: {', '.join(mine)}" if mine else
+                "; no table of this GPU for this workload beside it (`spectune profile` on this GPU, then `spectune tune`)")
     if on_gpu_mismatch == "refuse":
         raise PolicyMismatch(msg)
     warnings.warn(msg, PolicyMismatchWarning, stacklevel=3)
+
+
+def _tables_of_gpu(folder: Path, gpu: str, table: Table) -> list[str]:
+    """Policy tables in ``folder`` measured on ``gpu`` for ``table``'s workload (target, drafter,
+    dtype, attention): what to load instead of a table of another GPU. Read only on a mismatch."""
+    w, out = table.workload, []
+    for f in sorted(folder.glob("*.policy.yaml")):
+        try:
+            other = read_table(f)
+        except (OSError, SpectuneError):
+            continue  # (a file that does not parse is not a suggestion)
+        o = other.workload
+        if other.hardware.gpu.strip().lower() == gpu.strip().lower() and other.policy is not None and \
+                (o.target, o.drafter, o.dtype, o.attention) == (w.target, w.drafter, w.dtype, w.attention):
+            out.append(f.name)
+    return out
 
 
 def load(path: str | os.PathLike[str], *, on_gpu_mismatch: OnMismatch = "warn",

@@ -120,6 +120,27 @@ def test_load_and_gpu_mismatch(tmp_path):
         load(path, on_gpu_mismatch="ignore", gpu_name="NVIDIA A100")
 
 
+def test_a_gpu_mismatch_names_this_gpus_table_beside_it(tmp_path):
+    """A table of another GPU: the message names the table of this GPU and the same workload in
+    the same folder, or says there is none and how to make one."""
+    from dataclasses import replace
+
+    h200 = tmp_path / "nvidia-h200_t.policy.yaml"
+    write_table(make_table(), h200)
+    with pytest.raises(PolicyMismatch, match="no table of this GPU for this workload beside it"):
+        load(h200, on_gpu_mismatch="refuse", gpu_name="NVIDIA H100 80GB HBM3")
+    other = make_table()
+    h100 = replace(other, hardware=replace(other.hardware, gpu="NVIDIA H100 80GB HBM3"))
+    write_table(h100, tmp_path / "nvidia-h100_t.policy.yaml")
+    fp8 = replace(h100, workload=replace(h100.workload, dtype="fp8"))  # another workload: not named
+    write_table(fp8, tmp_path / "nvidia-h100_t.fp8.policy.yaml")
+    (tmp_path / "broken.policy.yaml").write_text("schema: [")  # a file that does not parse: skipped
+    with pytest.raises(PolicyMismatch, match=r"beside it: nvidia-h100_t\.policy\.yaml$"):
+        load(h200, on_gpu_mismatch="refuse", gpu_name="NVIDIA H100 80GB HBM3")
+    assert load(tmp_path / "nvidia-h100_t.policy.yaml", on_gpu_mismatch="refuse",
+                gpu_name="NVIDIA H100 80GB HBM3").plan(2).k == 4
+
+
 def test_profile_without_policy_is_refused(tmp_path):
     path = tmp_path / "profile.yaml"
     write_table(make_table(policy=False), path)
