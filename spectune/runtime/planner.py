@@ -1146,7 +1146,7 @@ def check_gpu(table: Table, *, on_gpu_mismatch: OnMismatch = "warn", gpu_name: s
     current = gpu_name if gpu_name is not None else current_gpu_name()
     if current is None:
         return  # no GPU to compare with (CPU simulation)
-    if current.strip().lower() == table.hardware.gpu.strip().lower():
+    if _same_gpu(current, table.hardware.gpu):
         return
     where = f"{file}: " if file is not None else ""
     msg = f"{where}hardware.gpu: table measured on {table.hardware.gpu!r}, this GPU is {current!r}"
@@ -1159,6 +1159,10 @@ def check_gpu(table: Table, *, on_gpu_mismatch: OnMismatch = "warn", gpu_name: s
     warnings.warn(msg, PolicyMismatchWarning, stacklevel=3)
 
 
+def _same_gpu(a: str, b: str) -> bool:
+    return a.strip().lower() == b.strip().lower()
+
+
 def _tables_of_gpu(folder: Path, gpu: str, table: Table) -> list[str]:
     """Policy tables in ``folder`` measured on ``gpu`` for ``table``'s workload (target, drafter,
     dtype, attention): what to load instead of a table of another GPU. Read only on a mismatch."""
@@ -1169,7 +1173,7 @@ def _tables_of_gpu(folder: Path, gpu: str, table: Table) -> list[str]:
         except (OSError, SpectuneError):
             continue  # (a file that does not parse is not a suggestion)
         o = other.workload
-        if other.hardware.gpu.strip().lower() == gpu.strip().lower() and other.policy is not None and \
+        if _same_gpu(other.hardware.gpu, gpu) and other.policy is not None and \
                 (o.target, o.drafter, o.dtype, o.attention) == (w.target, w.drafter, w.dtype, w.attention):
             out.append(f.name)
     return out

@@ -1,6 +1,7 @@
 import math
 import random
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -123,8 +124,6 @@ def test_load_and_gpu_mismatch(tmp_path):
 def test_a_gpu_mismatch_names_this_gpus_table_beside_it(tmp_path):
     """A table of another GPU: the message names the table of this GPU and the same workload in
     the same folder, or says there is none and how to make one."""
-    from dataclasses import replace
-
     h200 = tmp_path / "nvidia-h200_t.policy.yaml"
     write_table(make_table(), h200)
     with pytest.raises(PolicyMismatch, match="no table of this GPU for this workload beside it"):
