@@ -445,6 +445,25 @@ def test_verify_attention_grid_flags_restrict_the_grid():
             mod.grid_from_args(mod.parse_args(argv))
 
 
+def test_verify_attention_grades_each_gpu_against_its_own_bar():
+    """The H200's 4.3 TB/s floor is the bar on an H200 only; another GPU is graded against the copy
+    bandwidth it measured (an H100 copies at ~3.0 TB/s: graded against 4.3 every point missed)."""
+    mod = load("bench_verify_attention")
+    assert [mod.gpu_slug(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "H100")] == ["h200", "h100", "h100"]
+    assert mod.kv_floor_gbs("NVIDIA H200") == 4300.0 and mod.kv_floor_gbs("NVIDIA H100 80GB HBM3") is None
+
+    def rows():  # 64 x 2048 at 2 900 GB/s: q = 16 at 1.05 x q = 1
+        kv = 64 * 2048 * 8 * 128 * 2 * 2
+        return [{"ctx": 2048, "batch": 64, "q": q, "kv_bytes": kv, "triton_ms": kv / 2.9e9 * f,
+                 "sdpa_gqa_ms": None, "folded_ms": None} for q, f in ((1, 1.0), (16, 1.05))]
+
+    h100, h200 = rows(), rows()
+    mod.summarize(h100, 3040.0, mod.kv_floor_gbs("NVIDIA H100 80GB HBM3"))
+    mod.summarize(h200, 3040.0, mod.kv_floor_gbs("NVIDIA H200"))
+    assert [r["meets_goal"] for r in h100] == [True, True] and h100[0]["pct_of_floor"] is None
+    assert [r["meets_goal"] for r in h200] == [False, False] and round(h200[0]["pct_of_floor"]) == 67
+
+
 def test_probe_common_int_list_is_one_parser_with_one_line_errors_naming_the_flag():
     mod = load("probe_common")
     assert mod.int_list("16,1, 4,16", "--qs", hi=16) == [1, 4, 16]  # sorted, distinct, spaces allowed

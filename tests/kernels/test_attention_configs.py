@@ -60,13 +60,15 @@ def test_heuristic_follows_the_tile_layout_rules():
     assert heuristic_config(16, 256).block_n == 32
 
 
-def test_packaged_h200_table_loads_and_covers_the_buckets():
-    table = load_table(str(H200))
-    assert table.device_name == "NVIDIA H200" and table.sm_count == 132
-    assert table_file_name(table.device_name) == H200.name
+@pytest.mark.parametrize("path", [H200, ac.CONFIG_DIR / "NVIDIA_H100_80GB_HBM3.json"], ids=lambda p: p.stem)
+def test_packaged_tables_load_and_cover_the_buckets(path):
+    table = load_table(str(path))
+    assert table.device_name == path.stem.replace("_", " ") and table.sm_count == 132
+    assert table_file_name(table.device_name) == path.name
+    assert table_for_device(table.device_name) == table
     assert {e.rows for e in table.entries} >= {4, 8, 16, 32, 64, 128, 256}
     assert all(e.head_dim == 128 for e in table.entries)
-    assert H200.read_text() == table.to_json()  # the file is in the writer's own format
+    assert path.read_text() == table.to_json()  # the file is in the writer's own format
     for rows in (4, 12, 40, 64, 200):
         for programs in (8, 512, 4096):
             assert table.lookup(128, rows, programs, 132) is not None
