@@ -13,7 +13,7 @@ gathered once beforehand, so the gather is not counted against them). Reported: 
 kernel's KV read bandwidth as % of copy bandwidth (and, on an H200, of its 4.3 TB/s KV-read floor),
 time(q) / time(q=1), and the goal check at batch x context >= 64 x 2048, graded against the larger
 of this GPU's measured copy bandwidth and its known floor. Each table point is timed after
-``WARM_MS`` of replays of its own graph: a GPU idle for the host's work in between (a new cache,
+``WARM_MS`` of replays of its own graph (and each sweep point after as long a warm-up): a GPU idle for the host's work in between (a new cache,
 the sweep's bookkeeping) runs its first replays slower, which read as 151 us against 133 us for the
 table's first point on an H200 and 213 us against 182 us on an H100. Results go to
 ``verify_attention_<gpu>.json`` (``h200``, ``h100``, ...).
@@ -332,6 +332,9 @@ def run_sweep(num_sms: int, jobs: int, grid: Grid) -> tuple[list[SweepTiming], l
                     first = (str(exc).splitlines() or [""])[0][:80]
                     failed.append(f"{cfg.short()}: {type(exc).__name__}: {first}")
 
+                # the GPU idled while the host built this point: warm it, or the first candidate reads slow
+                bench_graph(lambda q=q, meta=meta, out=out, k_cache=k_cache, v_cache=v_cache: verify_attention(
+                    q, k_cache, v_cache, meta, out=out), reps=1, warm_ms=WARM_MS)
                 times = time_candidates(cands, bench, note)
                 try:  # what verify_attention picks by itself (packaged table or heuristic)
                     default_ms = bench(None)
