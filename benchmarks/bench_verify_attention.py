@@ -315,7 +315,7 @@ def run_sweep(num_sms: int, jobs: int, grid: Grid) -> tuple[list[SweepTiming], l
                 out = torch.empty_like(q)
 
                 def bench(cfg: AttnConfig | None, q=q, meta=meta, ref=ref, out=out,
-                          k_cache=k_cache, v_cache=v_cache) -> float:
+                          k_cache=k_cache, v_cache=v_cache, warm_ms: float = 0.0) -> float:
                     def call() -> None:
                         verify_attention(q, k_cache, v_cache, meta, out=out, config=cfg)
                     out.fill_(float("nan"))
@@ -324,7 +324,7 @@ def run_sweep(num_sms: int, jobs: int, grid: Grid) -> tuple[list[SweepTiming], l
                     err = rel_err(out, ref)
                     if not err < TOL:
                         raise ValueError(f"wrong result: max rel err {err:.2e}")
-                    return bench_graph(call, reps=SWEEP_REPS)
+                    return bench_graph(call, reps=SWEEP_REPS, warm_ms=warm_ms)
 
                 failed: list[str] = []
 
@@ -332,15 +332,13 @@ def run_sweep(num_sms: int, jobs: int, grid: Grid) -> tuple[list[SweepTiming], l
                     first = (str(exc).splitlines() or [""])[0][:80]
                     failed.append(f"{cfg.short()}: {type(exc).__name__}: {first}")
 
-                # the GPU idled while the host built this point: warm it, or the first candidate reads slow
-                bench_graph(lambda q=q, meta=meta, out=out, k_cache=k_cache, v_cache=v_cache: verify_attention(
-                    q, k_cache, v_cache, meta, out=out), reps=1, warm_ms=WARM_MS)
-                times = time_candidates(cands, bench, note)
-                try:  # what verify_attention picks by itself (packaged table or heuristic)
-                    default_ms = bench(None)
+                try:  # what verify_attention picks by itself (packaged table or heuristic), timed first
+                    # and warmed: the GPU idled while the host built this point, and would read slow
+                    default_ms = bench(None, warm_ms=WARM_MS)
                 except Exception as exc:  # noqa: BLE001
                     default_ms = math.inf
                     failed.append(f"default config: {type(exc).__name__}: {exc}")
+                times = time_candidates(cands, bench, note)
                 best = min(times, key=times.__getitem__)
                 rows, programs = GROUP * q_tok, batch * N_KV_HEADS
                 timings += [SweepTiming(HEAD_DIM, rows, programs, ctx, cfg, ms) for cfg, ms in times.items()]
