@@ -778,10 +778,21 @@ def test_bench_planner_times_every_step_kind_on_cpu(tmp_path, capsys):
     mod.main(["--calls", "2000", "--out", str(out)])
     res = json.loads(out.read_text())
     keys = ("us_per_call", "plan_ride_us", "step_us_fixed_batch", "step_us_served_batch", "step_us_varying_batch",
-            "step_us_steady_fixed_batch", "step_us_steady_served_batch")
+            "step_us_steady_fixed_batch", "step_us_steady_served_batch", "step_us_sampled_fixed_batch",
+            "step_us_sampled_served_batch", "decisions_per_100_steps_sampled_fixed_batch",
+            "decisions_per_100_steps_sampled_served_batch")
     assert all(res[k] > 0 for k in keys) and res["max_k"] == 15 and res["calls"] == 2000
     printed = capsys.readouterr().out
-    assert "holds still" in printed and "plans moved" in printed
+    assert "holds still" in printed and "plans moved" in printed and "counted per request" in printed
+    # the per-request counters: position j tested by the requests that accepted every draft before
+    # it, none past K; about a 0.75 share of the tested accepted
+    rng = mod.random.Random(1)
+    for b, k in ((1, 3), (32, 4), (200, 15)):
+        acc, tested = mod.request_counters(rng, b, k, 15)
+        assert tested[0] == b and all(t == 0.0 for t in tested[k:]) and all(a == 0.0 for a in acc[k:])
+        assert all(acc[j] == tested[j + 1] for j in range(k - 1)) and all(a <= t for a, t in zip(acc, tested, strict=True))
+    acc, tested = mod.request_counters(rng, 4000, 1, 15)
+    assert 0.72 < acc[0] / tested[0] < 0.78
     # the steady counters: K positions tested, none past the plan's K
     planner = mod.Planner(mod.synthetic_table())
     plans, seen, plan = [], [], planner.plan
@@ -790,6 +801,22 @@ def test_bench_planner_times_every_step_kind_on_cpu(tmp_path, capsys):
     mod.step_us(planner, 50, [32], steady=True)
     assert len(seen) == 50 and any(k for k, _ in seen)
     assert all(all(t == 0.0 for t in tested[k:]) and all(t > 0 for t in tested[:k]) for k, tested in seen)
+
+
+def test_bench_planner_times_another_planner_beside_this_one(tmp_path, capsys):
+    """``bench_planner.py --against-file``: both planners' step loops in one process, each loop's
+    time per planner and the ratio, written as JSON; a file that is not there is one line."""
+    import spectune.runtime.planner as planner
+
+    mod = load("bench_planner")
+    out = tmp_path / "cmp.json"
+    mod.main(["--calls", "2000", "--rounds", "1", "--against-file", planner.__file__, "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [r["loop"] for r in res["rows"]] == [name for name, _ in mod.STEP_LOOPS] and len(res["rows"]) == 6
+    assert all(r["us"] > 0 and r["us_against"] > 0 and r["ratio"] == r["us"] / r["us_against"] for r in res["rows"])
+    assert "counted per request, a server's batch" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        mod.main(["--calls", "2000", "--against-file", str(tmp_path / "none.py"), "--out", str(out)])
 
 
 def test_planner_trace_passes_the_same_planner_and_names_the_step_a_changed_one_differs(tmp_path, capsys):

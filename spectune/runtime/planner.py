@@ -28,7 +28,9 @@ Decision for batch b (every ``online.decide_every`` observed steps for the batch
 sooner when the block so far holds ``EARLY_FOLD_DRAFTS`` tested first drafts and at least as many
 as the estimate -- a cold start or a reset at a large batch, where one or two steps say what a
 block would; and in ``plan`` when the batch size changes to one whose choice is that stale -- a
-draining batch visits each size for a step or two):
+draining batch visits each size for a step or two -- and was made on an estimate that has moved
+since: a rate by more than its interval's half-width, the evidence by a factor of two, a reset;
+or is ``REUSE_FOLDS`` blocks old, or its close call's trial is due: ``Planner._stale``):
 candidates are every K in [min_k, max_k] (K = 0 included) with every verify budget that fills a
 captured tier (b*K if a tier holds it, else the largest tier that does not), each with its step
 time from the cost model precomputed at load. Expected tokens of a candidate under rates a are
@@ -186,6 +188,11 @@ TIME_WINDOW = 64.0  # steps one shape's (and the all-shapes) time ratio averages
 TIME_ROBUST = 4.0  # steps of a shape after which one step's log ratio is clipped to ...
 TIME_OUTLIER = 0.2  # ... within this of the shape's mean (a host stall is not the shape's cost)
 TIME_POOL_OUTLIER = 1.0  # ... and within this of its pool's mean (the pools mix shapes)
+REUSE_MOVE = 1.0  # a batch size met again keeps its choice while no rate of the estimate moved by more than
+# this x its interval's half-width (a block of stationary traffic moves a rate by 0.1-0.3 of it) and no K's own
+# correction by more than this x its own (z x its standard error), ...
+REUSE_FOLDS = 16  # ... for at most this many x decide_every steps (the measured step times move too), and
+# not past the step its last decision's close call falls due for a trial
 NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
@@ -216,6 +223,7 @@ class OnlineState:
     probe: list[Plan | None]
     every: list[int]  # probe interval in steps per batch size (``Planner._decide``)
     decided_at: list[int]
+    decided_v: list[int]  # the estimate's version each batch size was last decided on (``Planner._moved``)
     A: list[float]
     T: list[float]
     Af: list[float]
@@ -262,6 +270,7 @@ class OnlineState:
     trial_left: list[int] = field(default_factory=list)
     trial_at: list[float] = field(default_factory=list)
     tried: list[int] = field(default_factory=list)  # K of a trial that ended, not yet judged (0: none)
+    due: list[float] = field(default_factory=list)  # the step a close call's trial falls due (``_stale``)
     trials: int = 0  # trial blocks started
     # measured step times (``Planner.observe_time``; not traffic, so a change keeps them): per
     # (batch size, shape) the steps timed (capped at TIME_WINDOW) and the running mean of
@@ -273,6 +282,11 @@ class OnlineState:
     # shapes of riding steps (``Planner.plan_ride``) per (batch size, prompt tokens, choice), made
     # once per estimate
     ride: dict[tuple[int, int, Plan], Plan] = field(default_factory=dict)
+    # the estimate's version (``Planner._version``): bumped where its tokens moved by REUSE_MOVE x
+    # margin since the last bump (``v_ref``: the survival sums and corrections then), checked once per fold
+    version: int = 0
+    v_fold: int = -1
+    v_ref: tuple[Any, ...] | None = None
     # the planner's table it belongs to (max batch, tiers, largest K): its choices are shapes of
     # that table's captured tiers, so another table's planner refuses it (``restore_online``)
     owner: tuple[Any, ...] = ()
@@ -409,7 +423,7 @@ class Planner:
     def plan(self, batch_size: int) -> Plan:
         s = self._s
         if batch_size != s.last_batch and 0 < batch_size <= self.max_batch \
-                and s.steps - s.decided_at[batch_size] >= self.online.decide_every:
+                and s.steps - s.decided_at[batch_size] >= self.online.decide_every and self._stale(batch_size):
             self._decide(batch_size)  # a batch size reached again (or first) with a stale choice
             # (on the estimate of the last fold: at most decide_every - 1 steps old)
         s.last_batch = batch_size
@@ -602,17 +616,25 @@ class Planner:
         x = math.log(ms / model)
         s = self._s
         pool = 1 if plan.k else 0
+        # (three running means of at most TIME_WINDOW values, inlined: this runs every step)
         n, m = s.lg[pool]
-        x_all = _clipped(x, m, TIME_POOL_OUTLIER) if n >= TIME_ROBUST else x
-        s.lg[pool] = _mean_with(s.lg[pool], x_all)
+        x_all = x if n < TIME_ROBUST else m - TIME_POOL_OUTLIER if x < m - TIME_POOL_OUTLIER \
+            else m + TIME_POOL_OUTLIER if x > m + TIME_POOL_OUTLIER else x
+        n = n + 1.0 if n < TIME_WINDOW else n
+        s.lg[pool] = (n, m + (x_all - m) / n)
         shapes = s.lt.get(batch_size)
         if shapes is None:
             shapes = s.lt[batch_size] = {}
             s.lb[batch_size] = [(0.0, 0.0), (0.0, 0.0)]
         at_b = s.lb[batch_size]
-        at_b[pool] = _mean_with(at_b[pool], x_all)
+        n, m = at_b[pool]
+        n = n + 1.0 if n < TIME_WINDOW else n
+        at_b[pool] = (n, m + (x_all - m) / n)
         n, m = shapes.get(plan, (0.0, 0.0))
-        shapes[plan] = _mean_with((n, m), _clipped(x, m, TIME_OUTLIER) if n >= TIME_ROBUST else x)
+        if n >= TIME_ROBUST:
+            x = m - TIME_OUTLIER if x < m - TIME_OUTLIER else m + TIME_OUTLIER if x > m + TIME_OUTLIER else x
+        n = n + 1.0 if n < TIME_WINDOW else n
+        shapes[plan] = (n, m + (x - m) / n)
         s.timed += 1
 
     def _pool_offsets(self, b: int) -> tuple[float, float]:
@@ -821,12 +843,49 @@ class Planner:
         s.phi = min(PHI_MAX, max(1.0, (1.0 - PHI_WEIGHT) * s.phi + PHI_WEIGHT * min(d2, PHI_CLIP * s.phi)))
         return False
 
+    def _stale(self, b: int) -> bool:
+        """Whether ``plan`` decides batch size b again on meeting it with a choice older than the last
+        fold: where the estimate moved since that decision (``_version``), a trial of b ended (to be
+        judged), the step has come from which that decision would have started a close call's
+        trial, or the decision is REUSE_FOLDS x decide_every steps old (the measured step times
+        move too). Otherwise a decision would return the choice it returned before, and is not
+        made: a server's batch walks, so most steps meet a batch size whose choice predates the
+        last fold, and re-deciding each was a third of the host time there. The fold's own
+        decision of the batch it ran (``observe``) is made every fold as before."""
+        s = self._s
+        return s.decided_v[b] != self._version() or s.tried[b] != 0 or s.steps >= s.due[b] \
+            or s.steps - s.decided_at[b] >= REUSE_FOLDS * self.online.decide_every
+
+    def _version(self) -> int:
+        """The estimate's version, checked at most once per fold: bumped where, since the last bump,
+        a position's rate moved by more than REUSE_MOVE x its interval's half-width (the z
+        bounds), a K's own correction by more than REUSE_MOVE x z x its standard error, the
+        evidence crossed min_evidence or PLAIN_EVIDENCE or doubled or halved (the bounds narrow or
+        widen by a third: a lower bound's gate may open); and at every reset. Stationary traffic
+        moves a rate by 0.1-0.3 of its half-width a fold, and a decision turns on such a move only
+        where the call was already that close."""
+        s = self._s
+        if s.v_fold == s.folded and s.v_ref is not None:
+            return s.version
+        s.v_fold = s.folded
+        ev = self.evidence
+        ref = (s.a, s.corr, ev >= self.online.min_evidence, ev >= PLAIN_EVIDENCE, ev)
+        old = s.v_ref
+        if old is not None and old[2:4] == ref[2:4] and 0.5 * old[4] <= ev <= 2.0 * old[4] \
+                and not _moved(old, ref, s.lo, s.hi, self.online.z):
+            return s.version
+        if old is not None:  # (a new estimate after a reset: bumped there)
+            s.version += 1
+        s.v_ref = ref
+        return s.version
+
     def _decide(self, b: int | None = None) -> None:
         s = self._s
         b = s.last_batch if b is None else b
         if b is None or not 0 < b <= self.max_batch or not self._cands[b]:
             return
-        s.decided_at[b] = s.steps
+        s.decided_at[b], s.decided_v[b], s.due[b] = s.steps, s.version, math.inf  # (``_stale``: a version
+        # not checked at this fold is the one before it; where a check bumps it, b is decided again)
         cur = s.choice[b]
         cur_ms = self._cand_ms[b].get(cur)
         if cur_ms is None:
@@ -933,6 +992,8 @@ class Planner:
             if s.steps - s.trial_at[b] >= wait:
                 s.trial[b], s.trial_left[b], s.trial_at[b] = trial, TRIAL_STEPS, s.steps
                 s.trials += 1
+            else:  # (``_stale``: the step from which this decision would start the trial)
+                s.due[b] = s.trial_at[b] + wait
         s.probe[b] = probe = probe if probe != best else None
         s.every[b] = every = self.online.probe_every
         if probe is None and not best.k and blind is not None and every:
@@ -1049,7 +1110,7 @@ class Planner:
         self._s = OnlineState(
             choice=list(self._table), probe=list(self._first_probe),
             every=[self.online.probe_every] * (self.max_batch + 1),
-            decided_at=[-self.online.decide_every] * (self.max_batch + 1),
+            decided_at=[-self.online.decide_every] * (self.max_batch + 1), decided_v=[-1] * (self.max_batch + 1),
             A=[], T=[], Af=[], Tf=[], pa=[], pt=[], a=[], lo=[], hi=[], owner=self._owner())
         self._clear_trials()
         self._reset_estimate()
@@ -1058,6 +1119,7 @@ class Planner:
     def _clear_trials(self) -> None:
         s, n = self._s, self.max_batch + 1
         s.trial, s.trial_left, s.trial_at, s.tried = [None] * n, [0] * n, [-math.inf] * n, [0] * n
+        s.due = [math.inf] * n
 
     def _reset_estimate(self, block: tuple[list[float], list[float]] | None = None) -> None:
         """Forget the counts and the change test's sums, and estimate from the prior and ``block``
@@ -1071,19 +1133,20 @@ class Planner:
         s.rise = s.fall = 0.0
         s.block_fires = False
         s.folded = s.steps
+        s.version, s.v_ref = s.version + 1, None  # (``_version``: a new estimate, decided on afresh)
         self._estimate()
 
 
-def _clipped(x: float, m: float, c: float) -> float:
-    return m - c if x < m - c else m + c if x > m + c else x
-
-
-def _mean_with(timed: tuple[float, float], x: float) -> tuple[float, float]:
-    """(steps, running mean) after one more value: the steps capped at TIME_WINDOW, so the mean
-    follows about the last TIME_WINDOW values."""
-    n, m = timed
-    n = n + 1.0 if n < TIME_WINDOW else n
-    return n, m + (x - m) / n
+def _moved(old: tuple[Any, ...], new: tuple[Any, ...], lo: list[float], hi: list[float], z: float) -> bool:
+    """Whether, between two ``_version`` references (rates, corrections), a rate moved by more than
+    REUSE_MOVE x its half-width (hi - lo) / 2, or a K's correction c by more than REUSE_MOVE x z x
+    its standard error (c u: ``_regimes``)."""
+    f = 0.5 * REUSE_MOVE
+    for u, v, x, y in zip(old[0], new[0], lo, hi, strict=True):
+        if abs(u - v) > f * (y - x):
+            return True
+    g = REUSE_MOVE * z
+    return any(u is not v and abs(u[0] - v[0]) > g * v[0] * v[1] for u, v in zip(old[1], new[1], strict=True))
 
 
 def _calibration(f: Sequence[float], batch: int, budget: int) -> float:

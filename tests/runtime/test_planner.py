@@ -12,6 +12,7 @@ from spectune.runtime.planner import (
     PHI_MAX,
     PLAIN_EVIDENCE,
     PROBE_STEP,
+    REUSE_FOLDS,
     TRIAL_DRAFTS,
     TRIAL_STEPS,
     Plan,
@@ -946,3 +947,78 @@ def test_a_large_batch_decides_as_soon_as_a_step_holds_the_evidence():
 
     assert first_plain(256) <= 2  # two steps of 256 first drafts (EARLY_FOLD_DRAFTS), then plain
     assert first_plain(32) == every  # 32 x 8 = 256 < 512: the block's end, as before
+
+
+def walk_table():
+    tiers = [8, 16, 32, 64, 128, 256, 512]
+    params = make_params((5.0, 0.01, 512, 0.0, 20.0), (0.0, 0.4, 0.001), (0.05, 0.0))
+    rows = [Row((1, 16), 4, 64), Row((17, 64), 2, 128)]
+    return make_profile(params, make_workload(6, 64, target="t", context_len=1024), hardware="NVIDIA H200",
+                        policy=make_policy(tiers, rows, min_k=0, max_k=6, prior=[0.8] * 6))
+
+
+def serve_walk(p: Planner, rates: list[float], seed: int = 0) -> list[tuple[int, int, bool]]:
+    """A server's batch (one request in or out a step, 8..40) with the acceptance of each step
+    (``rates``, one per step); the decisions made, as (step, batch size, made by ``plan``)."""
+    rng, b, made = random.Random(seed), 24, []
+    decide = p._decide
+
+    def counted(batch=None):
+        made.append((p._s.steps, p._s.last_batch if batch is None else batch, batch is not None))
+        decide(batch)
+    p._decide = counted
+    for rate in rates:
+        b = min(40, max(8, b + rng.choice((-1, 0, 0, 1))))
+        plan = p.plan(b)
+        p.observe(*counters(plan, b, rate))
+    del p._decide
+    return made
+
+
+def test_a_batch_size_reached_again_keeps_its_choice_while_the_estimate_holds_still(monkeypatch):
+    """A server's batch walks, so most steps meet a batch size whose choice predates the last fold.
+    While the estimate holds still that choice is kept (no decision: a third of the host time),
+    up to REUSE_FOLDS x decide_every steps; with the rule off (every stale size decided again) the
+    same traffic ends on the same choices."""
+    import spectune.runtime.planner as planner_mod
+
+    table = walk_table()
+    every = table.policy.online.decide_every
+    p = Planner(table)
+    made = serve_walk(p, [0.7] * 2000)
+    by_plan = [m for m in made if m[2] and m[0] > 400]
+    off = Planner(table)
+    monkeypatch.setattr(planner_mod, "REUSE_FOLDS", 0)
+    made_off = serve_walk(off, [0.7] * 2000)
+    by_plan_off = [m for m in made_off if m[2] and m[0] > 400]
+    monkeypatch.undo()
+    assert len(by_plan) < 0.5 * len(by_plan_off), (len(by_plan), len(by_plan_off))
+    assert p.choices() == off.choices() and p.choices()  # the controller moved, and both the same way
+    # a size met again after the cap is decided again, whatever the estimate did
+    cap = REUSE_FOLDS * every
+    for b in (8, 40):
+        p._s.decided_at[b] = p._s.steps - cap
+        p.plan(b)
+        assert p._s.decided_at[b] == p._s.steps
+        p._s.decided_at[b] = p._s.steps - cap + 1
+        p.plan(b + 1 if b == 8 else b - 1)
+        p.plan(b)
+        assert p._s.decided_at[b] == p._s.steps - cap + 1  # younger, same estimate: kept
+
+
+def test_a_batch_size_reached_again_after_the_estimate_moved_is_decided_again():
+    """Acceptance that falls step by step moves the estimate past its interval: each batch size
+    the walk meets once the fall has ended is decided on the new estimate (its choice within 2 %
+    of the best shape at the new rate), not kept from the old one for the cap's 128 steps."""
+    table = walk_table()
+    p = Planner(table)
+    serve_walk(p, [0.85] * 600)
+    version = p._s.version
+    met: set[int] = set()
+    plan = p.plan
+    p.plan = lambda b: (met.add(b) if p._s.steps >= 1050 else None) or plan(b)
+    serve_walk(p, [0.85 - 0.6 * i / 400 for i in range(400)] + [0.25] * 200, seed=1)
+    del p.plan
+    assert p._s.version > version + 2 and len(met) >= 8
+    for b in met:
+        assert p._s.decided_at[b] >= 1000 and _goodput_ratio(p, b, 0.25, p.choice(b)) >= 0.98, (b, p.choice(b))
