@@ -52,16 +52,6 @@ tuner did, and under drift it scales the tuned mixture's shape by the measured r
 tested first-position drafts, nothing moves. Every choice is a plan of its own batch
 size, so a changed K is always a captured shape for the batch it is applied to.
 
-The tuned traffic: where the pooled drift rho is within ``TUNED_Z`` standard errors of 1
-(se = sqrt(phi * sum_i T_i p_i (1 - p_i)) / sum_i T_i p_i, over the positions tested), the traffic is
-the traffic the table was tuned on as far as the estimate can tell. The table's shape is what
-the tuner found best for it, so a batch size runs that shape, with no probe and no trial. If the
-shape's measured time is off its cost model by more than twice the profile's median error, the
-decision runs on the tuned rates instead of the noisy estimate: no probes, no K's own
-corrections, and a trial only for a close call never timed at that batch size. A plain shape keeps
-its K = 1 probe. Held-out sources sit far from 1: HumanEval n-gram rho 0.5-0.7, MT-Bench n-gram
-0.4-0.5.
-
 Exploration (optimism under uncertainty): every ``probe_every``-th step runs the candidate that
 is best under a^+ if that beats the current choice under a^+ -- a shape that could be better
 given what is known -- among shapes of at most ``PROBE_STEP`` more drafts than the choice (a deep
@@ -203,7 +193,6 @@ REUSE_MOVE = 1.0  # a batch size met again keeps its choice while no rate of the
 # correction by more than this x its own (z x its standard error), ...
 REUSE_FOLDS = 16  # ... for at most this many x decide_every steps (the measured step times move too), and
 # not past the step its last decision's close call falls due for a trial
-TUNED_Z = 2.0  # traffic whose pooled drift is within this many standard errors of 1 is decided at the tuned rates
 NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
@@ -244,7 +233,6 @@ class OnlineState:
     a: list[float]
     lo: list[float]
     hi: list[float]
-    as_tuned: bool = False  # the estimate is the tuned acceptance within TUNED_Z standard errors (``_estimate``)
     drift: float = 1.0
     # survival sums of the estimate (``_survival_sums``: a, hi) and of the pessimistic rates per
     # depth (a on the first ``depth`` positions, lo beyond), made from a/lo/hi when first asked
@@ -388,7 +376,6 @@ class Planner:
         # batch sizes above the table's range: (drafting step ms, plain step ms, plain tier)
         self._outside_ms: dict[tuple[int, int, int], tuple[float, float, int]] = {}
         self._no_corr = [NO_CORR] * (self.k_hi + 1)
-        self._prior_sums = _survival_sums(self.prior)  # (``_decide``: the tuned rates)
         prior_sums = _survival_sums(self.prior)[1]
         for row in self.policy.rows:
             lo, hi = row.batch
@@ -777,9 +764,6 @@ class Planner:
         s = self._s
         expect = sum(t * p for t, p in zip(s.T, self.prior, strict=True))
         drift = s.drift = (sum(s.A) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
-        # the tuned traffic? the pooled drift within TUNED_Z binomial (x phi) standard errors of 1
-        var = sum(t * p * (1.0 - p) for t, p in zip(s.T, self.prior, strict=True))
-        s.as_tuned = abs(drift - 1.0) * (expect + DRIFT_SHRINK) <= TUNED_Z * math.sqrt(s.phi * var)
         z, phi, sqrt = self.online.z, s.phi, math.sqrt
         rates: list[float] = []
         lows: list[float] = []
@@ -885,9 +869,9 @@ class Planner:
             return s.version
         s.v_fold = s.folded
         ev = self.evidence
-        ref = (s.a, s.corr, (ev >= self.online.min_evidence, ev >= PLAIN_EVIDENCE, s.as_tuned), ev)
+        ref = (s.a, s.corr, ev >= self.online.min_evidence, ev >= PLAIN_EVIDENCE, ev)
         old = s.v_ref
-        if old is not None and old[2] == ref[2] and 0.5 * old[3] <= ev <= 2.0 * old[3] \
+        if old is not None and old[2:4] == ref[2:4] and 0.5 * old[4] <= ev <= 2.0 * old[4] \
                 and not _moved(old, ref, s.lo, s.hi, self.online.z):
             return s.version
         if old is not None:  # (a new estimate after a reset: bumped there)
@@ -902,19 +886,6 @@ class Planner:
             return
         s.decided_at[b], s.decided_v[b], s.due[b] = s.steps, s.version, math.inf  # (``_stale``: a version
         # not checked at this fold is the one before it; where a check bumps it, b is decided again)
-        tuned = s.as_tuned and self.evidence >= self.online.min_evidence
-        if tuned and self._table[b].tier is not None:
-            # the traffic is the tuned traffic as far as the estimate can tell: the table's shape is
-            # what the tuner found best for it, unless its measured time says the cost model is off
-            # here by more than twice the profile's median error (then the tuned rates decide
-            # below, and a close call never timed gets a trial that times it)
-            row = self._table[b]
-            n, m = s.lt.get(b, {}).get(row, (0.0, 0.0)) if self.online.time_feedback else (0.0, 0.0)
-            if n < TIME_ROBUST or abs(m) <= 2.0 * self._time_err:
-                s.choice[b], s.trial[b] = row, None
-                if row.k:  # (a plain shape goes on below: its K = 1 probe keeps the evidence coming)
-                    s.probe[b] = None
-                    return
         cur = s.choice[b]
         cur_ms = self._cand_ms[b].get(cur)
         if cur_ms is None:
@@ -930,18 +901,13 @@ class Planner:
         # pessimistic rates of a deeper shape: the point estimate on the positions the current
         # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
         depth = -(-cur.verify_budget // b)
-        if tuned:  # the tuned traffic: its rates are the tuned ones, without the estimate's noise, and
-            # no acceptance is left to explore by probes; trials still time a close call
-            sums = [self._prior_sums] * 3
-        else:
-            sums = [self._sums(min(depth, self.k_hi)), self._sums(-1), self._sums(-2)]
+        sums = [self._sums(min(depth, self.k_hi)), self._sums(-1), self._sums(-2)]
         # a trial must be able to measure its K: at a small batch its block holds a few drafts,
         # and probes (one step at a time) explore there as before; nor does a K's own correction
         # hold there (a few drafts per block: at batch 1 it cost HumanEval n-gram 0.993 -> 0.971
         # of the best fixed K under the bench's protocol)
         trials = b * (TRIAL_STEPS - REGIME_SETTLE) >= TRIAL_DRAFTS and self.online.probe_every > 0
-        corr = s.corr if trials and not tuned else self._no_corr  # each K's correction from its own counts
-        # (``_regimes``; none at the tuned rates, which hold the tuned mixture's K-dependence already)
+        corr = s.corr if trials else self._no_corr  # each K's correction from its own counts (``_regimes``)
         c_cur, u_cur, n_cur = corr[cur.k]
         cur_fac = self._fac[b][cur] * c_cur
         tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]
@@ -988,12 +954,10 @@ class Planner:
                 blind_g = t_mid / ms
             if p is cur:
                 continue
-            if k != cur_k and k and t_mid > trial_g * ms and ((timed and nm is None) if tuned else (
-                    n_k < REGIME_SHRINK or t_mid * (1.0 + z * sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur))
-                    > need * ms)):
+            if k != cur_k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
+                    1.0 + z * sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
                 trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
-                # (by its tokens, or by a time not measured yet: a trial times it too); at the tuned
-                # rates only a shape never timed here is unresolved
+                # (by its tokens, or by a time not measured yet: a trial times it too)
             if tried and k == tried and t_mid > tried_g * ms:
                 tried_p, tried_g = p, t_mid / ms
             if t_mid <= need * ms or (not k and thin):
@@ -1013,7 +977,7 @@ class Planner:
         if best != cur:
             s.choice[b] = best
             s.trial[b] = None
-        elif trial is not None and trials and s.trial[b] is None and (tuned or n_cur >= REGIME_SHRINK or not cur.k) \
+        elif trial is not None and trials and s.trial[b] is None and (n_cur >= REGIME_SHRINK or not cur.k) \
                 and best_lb != math.inf:
             # a close call of another K without counts of its own (or one whose gain they do not
             # resolve): the pooled rates may not hold at its K, so run it for a block and let its
@@ -1030,7 +994,7 @@ class Planner:
                 s.trials += 1
             else:  # (``_stale``: the step from which this decision would start the trial)
                 s.due[b] = s.trial_at[b] + wait
-        s.probe[b] = probe = probe if probe != best and not (tuned and best.k) else None
+        s.probe[b] = probe = probe if probe != best else None
         s.every[b] = every = self.online.probe_every
         if probe is None and not best.k and blind is not None and every:
             # plain decoding tests no draft: the estimate that chose it can only age, and traffic
