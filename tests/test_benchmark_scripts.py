@@ -1,12 +1,15 @@
 """The scaling benchmarks' logic on CPU (their numbers come from the commands in docs/SCALING.md)."""
 
 import dataclasses
+import gzip
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from spectune.autotune.acceptance import load_acceptance
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -845,3 +848,22 @@ def test_planner_trace_passes_the_same_planner_and_names_the_step_a_changed_one_
     with pytest.raises(SystemExit):
         mod.main([str(tmp_path / "missing.yaml"), "--against-file", str(same)])
     assert "missing.yaml: no such policy table" in capsys.readouterr().err
+
+
+def test_declined_drafts_copy_counts_a_declined_slot_as_rejected(tmp_path):
+    # a step that offered nothing, one whose 2 offered drafts were both right (the third slot
+    # declined), one that offered 3 and had the first wrong
+    mod = load("sim_declined_drafts")
+    steps = [{"request": "r", "step": 0, "offered": 0, "accepted": 0},
+             {"request": "r", "step": 1, "offered": 2, "accepted": 2},
+             {"request": "r", "step": 2, "offered": 3, "accepted": 0, "conf": [0.1, 0.2, 0.3]}]
+    src, out = tmp_path / "t.jsonl", tmp_path / "planned.jsonl.gz"
+    src.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert mod.planned_copy(src, out) == 3
+    with gzip.open(out, "rt") as f:
+        rows = [json.loads(x) for x in f]
+    assert [(r["offered"], r["accepted"]) for r in rows] == [(3, 0), (3, 2), (3, 0)] and "conf" not in rows[2]
+    # per offered draft position 1 is right in 1 of 2 steps; per planned draft in 1 of 3
+    offered, planned = load_acceptance(str(src), max_k=3), load_acceptance(str(out), max_k=3)
+    assert offered.mean_conditional()[0] == pytest.approx(1 / 2, abs=0.02)
+    assert planned.mean_conditional()[0] == pytest.approx(1 / 3, abs=0.02)

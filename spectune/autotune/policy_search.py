@@ -63,12 +63,18 @@ class SearchError(SpectuneError):
     """The search cannot run (bad budget, missing capture or power data, nothing feasible)."""
 
 
+EXACT_TIERS = 16  # every tier size up to this one is a candidate (``tier_universe``)
+
+
 def tier_universe(max_batch: int, max_k: int) -> list[int]:
-    """Candidate tiers: 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, ... (powers of two and 1.5x; from 8
-    on also 1.25x and 1.75x, so padding stays under 15%) up to b*(K+1), every multiple of 8 up to
-    max_batch (plain decoding pads little), and max_batch itself."""
+    """Candidate tiers: every size up to ``EXACT_TIERS`` (16), then 20, 24, 28, 32, 40, ... (powers
+    of two with 1.25x, 1.5x and 1.75x between, so padding stays under 15%) up to b*(K+1), every
+    multiple of 8 up to max_batch (plain decoding pads little), and max_batch itself. The sizes up
+    to 16 are all there so that batch 1 runs any K <= 15 in a graph of exactly K + 1 tokens, as an
+    engine's fixed-K graph does: one padded token costs 0.7-1 % of a batch-1 step in the H200
+    profiles, and a graph of at most 16 tokens 4-24 MiB of capture memory there."""
     top = max_batch * (max_k + 1)
-    out, p = {max_batch, *range(8, max_batch + 1, 8)}, 1
+    out, p = {max_batch, *range(8, max_batch + 1, 8), *range(1, min(EXACT_TIERS, top) + 1)}, 1
     while p <= top:
         out.add(p)
         steps = (3, 5, 6, 7) if p >= 8 else (6,) if p >= 2 else ()

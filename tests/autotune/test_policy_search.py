@@ -54,6 +54,20 @@ def test_capture_interpolation():
     assert tier_universe(16, 7)[-1] == 128
 
 
+def test_batch_one_runs_its_k_in_a_graph_of_exactly_k_plus_one_tokens():
+    # every size up to 16 is a candidate tier, as an engine's fixed-K graph at batch 1 is exact:
+    # with a per-token cost, the 4 drafts that pay (position 5 is never accepted) run in 5 tokens,
+    # not in a padded 6
+    assert set(range(1, 17)) <= set(tier_universe(256, 15))
+    assert tier_universe(1, 3) == [1, 2, 3, 4]
+    cost = CostModel(SMALL, "autoregressive", 128)
+    res = search_policy(cost, ACC, max_batch=16, max_k=6, capture=CAPTURE, trials=4, seed=0)
+    one = next(c for c in res.choices if c.batch == 1)
+    assert one.k == 4 and one.tier == 5
+    assert 5 in res.policy.tiers
+    assert Planner(_profile(SMALL, 16, 6, policy=res.policy)).plan(1) == (4, 4, 5)
+
+
 def test_errors_name_the_field():
     cost = CostModel(KNEE, "autoregressive", 128)
     with pytest.raises(SearchError, match="costs.capture"):
