@@ -587,7 +587,22 @@ def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
     else:
         comps = _request_components(counts, depth, max_k)
         source = f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes)"
-    return AcceptanceModel(source=source, components=tuple(comps), max_k=max_k, calibration=calibration)
+    return AcceptanceModel(source=source[:-1] + _declined_note(counts) + ")", components=tuple(comps),
+                           max_k=max_k, calibration=calibration)
+
+
+def _declined_note(counts: TraceCounts) -> str:
+    """Where steps offered fewer drafts than the set's most (an n-gram or suffix drafter without a
+    long enough match), a note that the acceptance is per offered draft: an engine that plans
+    the step's shape before the drafter offers pays for the declined slots, and its yield per
+    planned draft is lower (``benchmarks/sim_declined_drafts.py``)."""
+    offered = counts.step_offered
+    if offered is None or offered.size == 0:
+        return ""
+    none, fewer = float(np.mean(offered == 0)), float(np.mean((offered > 0) & (offered < offered.max())))
+    if none == 0.0 and fewer == 0.0:
+        return ""
+    return f"; per offered draft: {none:.0%} of steps offered none, {fewer:.0%} fewer than {int(offered.max())}"
 
 
 def _conf_on_every_draft(counts: TraceCounts) -> bool:

@@ -259,6 +259,20 @@ def test_traces_homogeneous_gives_one_class(tmp_path):
     assert m.components[0].accept == pytest.approx((0.7,) * 4, abs=0.04)
 
 
+def test_traces_with_declined_drafts_say_the_acceptance_is_per_offered_draft(tmp_path):
+    # an n-gram drafter offers nothing on a quarter of the steps and 2 of 4 on an eighth: the
+    # model is the acceptance of the offered drafts, and the source says so with the shares
+    records = [{"request": r, "step": s, "offered": 0 if s % 4 == 0 else 2 if s % 8 == 1 else 4, "accepted": 0}
+               for r in range(10) for s in range(16)]
+    path = tmp_path / "ngram.jsonl"
+    _write_traces(path, records)
+    src = load_acceptance(str(path), max_k=4).source
+    assert src.endswith("; per offered draft: 25% of steps offered none, 12% fewer than 4)"), src
+    full = tmp_path / "full.jsonl"
+    _write_traces(full, [{**r, "offered": 4} for r in records])
+    assert "per offered draft" not in load_acceptance(str(full), max_k=4).source
+
+
 def test_calibration_monotone_and_close(tmp_path):
     rng = np.random.default_rng(3)
     records = []
