@@ -8,7 +8,8 @@ bench row) and its successor is admitted after it. ``simulate(host_lag=True)`` p
 ``spectune bench`` results (a curve or public acceptance; trace replays are skipped), per
 (concurrency, arm): the measured decode tok/s (mean over repeats), the prediction without and
 with the lag (the bench's own prediction path, ``whatif.predict_arm``, its seeds and requests),
-and the idle rows measured and simulated.
+and the idle rows measured and simulated. A policy table of the header's file name beside a
+results file is the one its runs used (a shipped table re-tuned since would predict other plans).
 
     PYTHONPATH=. python benchmarks/sim_host_lag.py benchmarks/results/heldout_h200_v17/bench_heldout_tuned_h200.json \\
         benchmarks/results/dflash_h200_v19/bench_heldout_*_dflash_c32_p*.json --out benchmarks/results/sim_host_lag.json
@@ -49,7 +50,9 @@ def cells(path: Path, concurrency: set[int] | None) -> list[dict[str, Any]]:
               file=sys.stderr)
         return []
     policy = Path(header["policy"])
-    if not policy.exists() and (Path(__file__).parent / policy).exists():
+    if (path.parent / policy.name).exists():  # the table the run used, kept beside its results
+        policy = path.parent / policy.name  # (the shipped one may have been re-tuned since)
+    elif not policy.exists() and (Path(__file__).parent / policy).exists():
         policy = Path(__file__).parent / policy  # a run made from benchmarks/ (``../spectune/...``)
     planner = load(str(policy), on_gpu_mismatch="ignore")
     tiers = [int(t) for t in str(header["tiers"]).split(",")]
