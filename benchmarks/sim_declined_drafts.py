@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--concurrency", a.concurrency, "--requests", a.requests, "--decode-tokens", a.decode_tokens,
              "--repeats", a.repeats, "--arms", a.arms, "--shared-planner"]
     with tempfile.TemporaryDirectory() as tmp:
-        planned = Path(tmp) / ("planned-" + Path(a.trace).name.removesuffix(".gz"))
-        planned = planned.with_name(planned.name + ".gz")
+        planned = Path(tmp) / f"planned-{Path(a.trace).name.removesuffix('.gz')}.gz"
         k = planned_copy(Path(a.trace), planned)
         per_offered = simulate(a.policy, a.trace, extra)
         per_planned = simulate(a.policy, str(planned), extra)

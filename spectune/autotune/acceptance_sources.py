@@ -579,16 +579,15 @@ def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
         raise AcceptanceError(f"{path}: no step offered any draft")
     depth = int(seen[-1]) + 1  # positions with data
     calibration = calibrate(counts.conf, counts.conf_accepted)
-    n_req = len(counts.requests)
+    n_req, note = len(counts.requests), _declined_note(counts)
     if calibration is not None and _conf_on_every_draft(counts):
         comps = _confidence_components(counts, depth, max_k, calibration)
         source = (f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes of "
-                  f"steps by drafter confidence through a {len(calibration)}-bin calibration table)")
+                  f"steps by drafter confidence through a {len(calibration)}-bin calibration table{note})")
     else:
         comps = _request_components(counts, depth, max_k)
-        source = f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes)"
-    return AcceptanceModel(source=source[:-1] + _declined_note(counts) + ")", components=tuple(comps),
-                           max_k=max_k, calibration=calibration)
+        source = f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes{note})"
+    return AcceptanceModel(source=source, components=tuple(comps), max_k=max_k, calibration=calibration)
 
 
 def _declined_note(counts: TraceCounts) -> str:
