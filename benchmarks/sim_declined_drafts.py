@@ -1,15 +1,15 @@
-"""A trace set simulated two ways: acceptance per offered draft (the trace model today) and per
-planned draft (a declined draft counted as rejected, as the engine's counters count it).
+"""A trace set simulated two ways: acceptance per planned draft (a declined draft counted as
+rejected, as the runtime's counters count it: the trace model's default) and per offered draft
+(``FILE#declined=offered``).
 
 An n-gram or suffix drafter offers fewer drafts than the step verifies where its match is short,
-and none where nothing matches (`docs/TRACES.md`). The trace acceptance model counts position i
-only in the steps that offered it, so it is the acceptance of the drafts that were offered. The
-engine plans a step's shape before it knows what the drafter will offer, so a declined slot is
-paid for, and the controller's counters count it as tested and rejected
-(`Engine._count_declined`, `docs/BENCH_METHOD.md`). This script writes a copy of the trace set in
-which every step offered the set's K (the largest `offered` in it; `accepted` unchanged, so a
-declined position reads as the first rejection), runs `spectune simulate --json` on both, and
-prints each arm's goodput and accepted length side by side.
+and none where nothing matches (`docs/TRACES.md`). The runtime plans a step's shape before it
+knows what the drafter will offer, so a declined slot is paid for, and the controller's counters
+count it as tested and rejected (`Engine._count_declined`, `docs/BENCH_METHOD.md`): the trace
+model reads a set that way by default. Per offered draft, position i counts only in the steps
+that offered it: the acceptance of the drafts that were offered, as an engine that verifies only
+those would see it. This script runs `spectune simulate --json` on both readings and prints each
+arm's goodput and accepted length side by side.
 
     PYTHONPATH=. python benchmarks/sim_declined_drafts.py spectune/profiles/nvidia-h100_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml \\
         --trace spectune/data/traces/mtbench-ngram.jsonl.gz --concurrency 1 --requests 24 --decode-tokens 63 --repeats 6 \\
@@ -19,28 +19,12 @@ prints each arm's goodput and accepted length side by side.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from spectune.io import atomic_write_text
-
-
-def planned_copy(trace: Path, out: Path) -> int:
-    """Write ``trace`` with every step's ``offered`` set to the set's K; return that K."""
-    opener = gzip.open if trace.suffix == ".gz" else open
-    with opener(trace, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    k = max(int(r["offered"]) for r in rows)
-    with gzip.open(out, "wt") as f:
-        for r in rows:
-            r = {**r, "offered": k, "accepted": int(r["accepted"]), "step": int(r["step"])}
-            r.pop("conf", None)  # confidences belong to the offered drafts only
-            f.write(json.dumps(r) + "\n")
-    return k
 
 
 def simulate(policy: str, acceptance: str, extra: list[str]) -> list[dict]:
@@ -49,31 +33,65 @@ def simulate(policy: str, acceptance: str, extra: list[str]) -> list[dict]:
     return json.loads(out)["rows"]
 
 
+def measured_ratios(paths: list[str]) -> dict[tuple[int, str], float]:
+    """(concurrency, arm) -> full-load tok/s over plain decoding's, from bench JSONs (mean of files)."""
+    seen: dict[tuple[int, str], list[float]] = {}
+    for path in paths:
+        arms = json.loads(Path(path).read_text())["summary_full_load"]["arms"]
+        plain = {a["concurrency"]: a["full_tok_s"] for a in arms if a["arm"] == "plain"}
+        for a in arms:
+            if a["concurrency"] in plain and a["arm"] != "plain":
+                seen.setdefault((a["concurrency"], a["arm"]), []).append(a["full_tok_s"] / plain[a["concurrency"]])
+    return {key: sum(v) / len(v) for key, v in seen.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("policy")
     ap.add_argument("--trace", required=True, help="a trace set (JSONL, .gz)")
     ap.add_argument("--concurrency", default="1")
-    ap.add_argument("--requests", default="24")
+    ap.add_argument("--requests", default="24", help="requests per concurrency: one number, or one per concurrency")
     ap.add_argument("--decode-tokens", default="63")
     ap.add_argument("--repeats", default="6")
     ap.add_argument("--arms", default="plain,fixed:1,fixed:2,fixed:3,auto")
+    ap.add_argument("--measured", nargs="*", default=[], metavar="BENCH_JSON",
+                    help="bench results of the same trace set: their full-load ratios to plain printed beside")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    extra = ["--concurrency", a.concurrency, "--requests", a.requests, "--decode-tokens", a.decode_tokens,
-             "--repeats", a.repeats, "--arms", a.arms, "--shared-planner"]
-    with tempfile.TemporaryDirectory() as tmp:
-        planned = Path(tmp) / f"planned-{Path(a.trace).name.removesuffix('.gz')}.gz"
-        k = planned_copy(Path(a.trace), planned)
-        per_offered = simulate(a.policy, a.trace, extra)
-        per_planned = simulate(a.policy, str(planned), extra)
-    print(f"{'c':>4s} {'arm':>8s} {'per offered draft':>20s} {'per planned draft':>20s}   (tok/s, accepted length)")
+    conc, reqs = a.concurrency.split(","), a.requests.split(",")
+    if len(reqs) not in (1, len(conc)):
+        ap.error(f"--requests: one number or one per concurrency ({len(conc)}), got {len(reqs)}")
+    try:
+        measured = measured_ratios(a.measured)
+    except (OSError, ValueError, KeyError) as exc:
+        ap.error(f"--measured: not a bench result JSON: {exc}")
+    per_offered: list[dict] = []
+    per_planned: list[dict] = []
+    runs = []
+    for c, n in zip(conc, reqs * len(conc) if len(reqs) == 1 else reqs, strict=False):
+        extra = ["--concurrency", c, "--requests", n, "--decode-tokens", a.decode_tokens,
+                 "--repeats", a.repeats, "--arms", a.arms, "--shared-planner"]
+        runs.append(extra)
+        per_offered += simulate(a.policy, f"{a.trace}#declined=offered", extra)
+        per_planned += simulate(a.policy, a.trace, extra)
+    print(f"{'c':>4s} {'arm':>8s} {'per offered draft':>28s} {'per planned draft':>28s} {'measured':>9s}")
+    print(f"{'':13s} {'tok/s accepted full/plain':>28s} {'tok/s accepted full/plain':>28s} {'full/plain':>9s}")
+    plain = {(r["concurrency"], m): r["full_tok_s"] for m, rows in (("o", per_offered), ("p", per_planned))
+             for r in rows if r["arm"] == "plain"}
     for x, y in zip(per_offered, per_planned, strict=True):
-        print(f"{x['concurrency']:4d} {x['arm']:>8s} {x['goodput_tok_s']:11.1f} {x['mean_accept_len']:7.3f} "
-              f"{y['goodput_tok_s']:12.1f} {y['mean_accept_len']:7.3f}")
+        c = x["concurrency"]
+        ro = x["full_tok_s"] / plain[(c, "o")] if (c, "o") in plain else float("nan")
+        rp = y["full_tok_s"] / plain[(c, "p")] if (c, "p") in plain else float("nan")
+        m = measured.get((c, x["arm"]))
+        print(f"{c:4d} {x['arm']:>8s} {x['goodput_tok_s']:11.1f} {x['mean_accept_len']:7.3f} {ro:8.3f} "
+              f"{y['goodput_tok_s']:11.1f} {y['mean_accept_len']:7.3f} {rp:8.3f} "
+              f"{'' if m is None else f'{m:9.3f}'}")
     if a.out:
-        atomic_write_text(a.out, json.dumps({"policy": a.policy, "trace": a.trace, "k": k, "args": extra,
-                                             "per_offered_draft": per_offered, "per_planned_draft": per_planned},
+        atomic_write_text(a.out, json.dumps({"policy": a.policy, "trace": a.trace, "args": runs,
+                                             "per_offered_draft": per_offered, "per_planned_draft": per_planned,
+                                             "measured": a.measured,
+                                             "measured_full_over_plain": [{"concurrency": c, "arm": arm, "ratio": r}
+                                                                          for (c, arm), r in sorted(measured.items())]},
                                             indent=1) + "\n")
     return 0
 

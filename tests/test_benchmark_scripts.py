@@ -1,15 +1,12 @@
 """The scaling benchmarks' logic on CPU (their numbers come from the commands in docs/SCALING.md)."""
 
 import dataclasses
-import gzip
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-
-from spectune.autotune.acceptance import load_acceptance
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -850,20 +847,33 @@ def test_planner_trace_passes_the_same_planner_and_names_the_step_a_changed_one_
     assert "missing.yaml: no such policy table" in capsys.readouterr().err
 
 
-def test_declined_drafts_copy_counts_a_declined_slot_as_rejected(tmp_path):
-    # a step that offered nothing, one whose 2 offered drafts were both right (the third slot
-    # declined), one that offered 3 and had the first wrong
+def test_declined_drafts_simulates_a_trace_set_per_planned_and_per_offered_draft(tmp_path, capsys):
+    # every other step offers nothing: per planned draft a fixed K = 1 accepts half as often as
+    # per offered draft, and the script writes both readings of the same set
     mod = load("sim_declined_drafts")
-    steps = [{"request": "r", "step": 0, "offered": 0, "accepted": 0},
-             {"request": "r", "step": 1, "offered": 2, "accepted": 2},
-             {"request": "r", "step": 2, "offered": 3, "accepted": 0, "conf": [0.1, 0.2, 0.3]}]
-    src, out = tmp_path / "t.jsonl", tmp_path / "planned.jsonl.gz"
-    src.write_text("".join(json.dumps(s) + "\n" for s in steps))
-    assert mod.planned_copy(src, out) == 3
-    with gzip.open(out, "rt") as f:
-        rows = [json.loads(x) for x in f]
-    assert [(r["offered"], r["accepted"]) for r in rows] == [(3, 0), (3, 2), (3, 0)] and "conf" not in rows[2]
-    # per offered draft position 1 is right in 1 of 2 steps; per planned draft in 1 of 3
-    offered, planned = load_acceptance(str(src), max_k=3), load_acceptance(str(out), max_k=3)
-    assert offered.mean_conditional()[0] == pytest.approx(1 / 2, abs=0.02)
-    assert planned.mean_conditional()[0] == pytest.approx(1 / 3, abs=0.02)
+    steps = [{"request": f"r{r}", "step": i, "offered": 0 if i % 2 else 3, "accepted": 0 if i % 2 else 2}
+             for r in range(8) for i in range(40)]
+    src, out = tmp_path / "t.jsonl", tmp_path / "both.json"
+    src.write_text("".join(json.dumps(x) + "\n" for x in steps))
+    table = str(Path(__file__).resolve().parents[1] / "spectune" / "profiles"
+                / "nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml")
+    assert mod.main([table, "--trace", str(src), "--concurrency", "1", "--requests", "2", "--decode-tokens", "15",
+                     "--repeats", "1", "--arms", "fixed:1", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    (offered,), (planned,) = got["per_offered_draft"], got["per_planned_draft"]
+    # per offered draft the first draft is always right (2 tokens a step; a request's last step
+    # has no room to draft), per planned draft in half the steps
+    assert offered["mean_accept_len"] >= 1.85 and planned["mean_accept_len"] == pytest.approx(1.5, abs=0.1)
+    assert "per offered draft" in capsys.readouterr().out
+
+
+def test_declined_drafts_reads_measured_full_load_ratios_to_plain(tmp_path):
+    mod = load("sim_declined_drafts")
+    arms = [{"concurrency": 16, "arm": "plain", "full_tok_s": 100.0}, {"concurrency": 16, "arm": "fixed:1", "full_tok_s": 110.0},
+            {"concurrency": 64, "arm": "fixed:1", "full_tok_s": 90.0}]  # no plain at 64: no ratio there
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"summary_full_load": {"arms": arms}}))
+    b.write_text(json.dumps({"summary_full_load": {"arms": [{**arms[0]}, {**arms[1], "full_tok_s": 120.0}]}}))
+    assert mod.measured_ratios([str(a), str(b)]) == {(16, "fixed:1"): pytest.approx(1.15)}
+    with pytest.raises(SystemExit):
+        mod.main(["p.yaml", "--trace", "t.jsonl", "--concurrency", "1,16", "--requests", "1,2,3"])

@@ -418,7 +418,7 @@ def load_acceptance(source: str, *, max_k: int) -> AcceptanceModel:
         return load(spec, max_k=max_k)
     if lower.startswith(("metrics:", "http://", "https://")) or lower.split("#")[0].endswith((".prom", ".txt")):
         return sources.load_metrics(spec, max_k=max_k)
-    if lower.startswith("traces:") or lower.endswith((".jsonl", ".jsonl.gz")):
+    if lower.startswith("traces:") or lower.split("#")[0].endswith((".jsonl", ".jsonl.gz")):
         return sources.load_traces(spec, max_k=max_k)
     raise AcceptanceError(
         f"{source!r}: unknown acceptance source; use curve:S1,S2,..., mixture:W*curve(...)+..., "

@@ -369,6 +369,9 @@ def load_metrics(spec: str, *, max_k: int) -> AcceptanceModel:
 # per-step traces
 
 
+DECLINED = ("rejected", "offered")  # how a trace's declined drafts are read (``read_traces``)
+
+
 @dataclass(frozen=True)
 class TraceCounts:
     requests: tuple[str, ...]  # [R]
@@ -399,14 +402,22 @@ def _open_text(path: str):
     return open(path, encoding="utf-8")
 
 
-def read_traces(path: str, *, max_k: int) -> TraceCounts:
-    """Count per-request trials and successes per position (module doc); errors name file:line."""
+def read_traces(path: str, *, max_k: int, declined: str = "rejected") -> TraceCounts:
+    """Count per-request trials and successes per position (module doc); errors name file:line.
+
+    ``declined``: "rejected" (per planned draft) counts position i as a trial in every step that
+    accepted the i - 1 before it, up to the set's K (the largest ``offered`` in the file), so a
+    draft the drafter declined reads as the step's first rejection; "offered" (per offered draft)
+    counts a position only in the steps that offered it."""
+    if declined not in DECLINED:
+        raise AcceptanceError(f"{path}: declined must be one of {', '.join(DECLINED)}, got {declined!r}")
     index: dict[str, int] = {}
     trials: list[np.ndarray] = []
     succ: list[np.ndarray] = []
     conf: list[float] = []
     conf_ok: list[bool] = []
     step_rows: list[tuple[int, int, list[float] | None]] = []
+    step_request: list[int] = []
     steps = 0
     try:
         fh = _open_text(path)
@@ -450,10 +461,7 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
             index[rid] = len(index)
             trials.append(np.zeros(max_k))
             succ.append(np.zeros(max_k))
-        r = index[rid]
-        reached = min(accepted + 1, offered, max_k)  # positions 1..reached were trials
-        trials[r][:reached] += 1
-        succ[r][: min(accepted, max_k)] += 1
+        step_request.append(index[rid])
         if confs is not None:
             for j in range(min(accepted + 1, offered)):
                 conf.append(float(confs[j]))
@@ -462,6 +470,13 @@ def read_traces(path: str, *, max_k: int) -> TraceCounts:
         steps += 1
     if steps == 0:
         raise AcceptanceError(f"{path}: no trace records")
+    set_k = max(row[0] for row in step_rows)
+    for r, (offered, accepted, _) in zip(step_request, step_rows, strict=True):
+        # positions 1..reached were trials: up to what the step offered, or (per planned draft)
+        # up to the set's K, a declined draft being the step's first rejection
+        reached = min(accepted + 1, offered if declined == "offered" else set_k, max_k)
+        trials[r][:reached] += 1
+        succ[r][: min(accepted, max_k)] += 1
     step_conf = np.full((steps, max_k), np.nan)
     for s, (offered, _, confs) in enumerate(step_rows):
         if confs is not None:
@@ -571,16 +586,20 @@ def position_tables(requests: Sequence[RequestSteps], k: int) -> tuple[Table | N
 
 def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
     """Traces with a confidence on every offered draft: classes of steps by calibrated confidence
-    (``spectune.autotune.confidence``); otherwise the per-request Bernoulli mixture."""
+    (``spectune.autotune.confidence``); otherwise the per-request Bernoulli mixture. Per planned
+    draft by default (a declined draft is a rejection, as the runtime counts and pays it);
+    ``FILE#declined=offered`` reads the acceptance of the offered drafts alone (per-request
+    mixture), for an engine that verifies only what its drafter offered."""
     path = spec[len("traces:"):] if spec.lower().startswith("traces:") else spec
-    counts = read_traces(path, max_k=max_k)
+    path, declined = _declined_selector(path)
+    counts = read_traces(path, max_k=max_k, declined=declined)
     seen = np.nonzero(counts.trials.sum(0) > 0)[0]
     if seen.size == 0:
         raise AcceptanceError(f"{path}: no step offered any draft")
     depth = int(seen[-1]) + 1  # positions with data
     calibration = calibrate(counts.conf, counts.conf_accepted)
-    n_req, note = len(counts.requests), _declined_note(counts)
-    if calibration is not None and _conf_on_every_draft(counts):
+    n_req, note = len(counts.requests), _declined_note(counts, declined)
+    if calibration is not None and declined == "rejected" and _conf_on_every_draft(counts):
         comps = _confidence_components(counts, depth, max_k, calibration)
         source = (f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes of "
                   f"steps by drafter confidence through a {len(calibration)}-bin calibration table{note})")
@@ -590,18 +609,32 @@ def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
     return AcceptanceModel(source=source, components=tuple(comps), max_k=max_k, calibration=calibration)
 
 
-def _declined_note(counts: TraceCounts) -> str:
+def _declined_selector(path: str) -> tuple[str, str]:
+    """``FILE#declined=rejected|offered`` -> (FILE, mode); no selector: per planned draft."""
+    path, sep, selector = path.partition("#")
+    if not sep:
+        return path, "rejected"
+    key, eq, value = selector.partition("=")
+    if key.strip() != "declined" or not eq or value.strip() not in DECLINED:
+        raise AcceptanceError(f"{path}: unknown selector {selector!r}; use #declined={' or #declined='.join(DECLINED)}")
+    return path, value.strip()
+
+
+def _declined_note(counts: TraceCounts, declined: str) -> str:
     """Where steps offered fewer drafts than the set's most (an n-gram or suffix drafter without a
-    long enough match), a note that the acceptance is per offered draft: an engine that plans
-    the step's shape before the drafter offers pays for the declined slots, and its yield per
-    planned draft is lower (``benchmarks/sim_declined_drafts.py``)."""
+    long enough match), a note saying how the declined drafts were read and how many there were:
+    per planned draft, a declined draft is a rejection (the runtime plans the step's shape before
+    the drafter offers, pays for the slot and counts it rejected: ``Engine._count_declined``);
+    per offered draft, only the offered drafts count (``benchmarks/sim_declined_drafts.py``
+    compares the two)."""
     offered = counts.step_offered
     if offered is None or offered.size == 0:
         return ""
     none, fewer = float(np.mean(offered == 0)), float(np.mean((offered > 0) & (offered < offered.max())))
     if none == 0.0 and fewer == 0.0:
         return ""
-    return f"; per offered draft: {none:.0%} of steps offered none, {fewer:.0%} fewer than {int(offered.max())}"
+    how = "per planned draft, a declined one rejected" if declined == "rejected" else "per offered draft"
+    return f"; {how}: {none:.0%} of steps offered none, {fewer:.0%} fewer than {int(offered.max())}"
 
 
 def _conf_on_every_draft(counts: TraceCounts) -> bool:

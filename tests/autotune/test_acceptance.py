@@ -14,7 +14,7 @@ from spectune.autotune.acceptance import (
     default_acceptance,
     load_acceptance,
 )
-from spectune.autotune.acceptance_sources import calibrate
+from spectune.autotune.acceptance_sources import calibrate, read_traces
 from spectune.errors import TableError
 
 DATA = Path(__file__).parent / "data"
@@ -233,7 +233,7 @@ def _two_class_traces(rng, n_req=240, steps=40):
 def test_traces_recover_two_classes(tmp_path):
     path = tmp_path / "two.jsonl.gz"
     _write_traces(path, _two_class_traces(np.random.default_rng(1)))
-    m = load_acceptance(str(path), max_k=6)
+    m = load_acceptance(f"{path}#declined=offered", max_k=6)  # the rates of the drafts offered
     assert len(m.components) == 2
     easy, hard = m.components
     assert easy.weight == pytest.approx(0.6, abs=0.08)
@@ -241,6 +241,12 @@ def test_traces_recover_two_classes(tmp_path):
     assert np.mean(hard.accept[:3]) == pytest.approx(0.35, abs=0.05)
     assert "240 requests" in m.source
     assert m.calibration is None
+    # per planned draft (the default): every step offered positions 1..3, so they read alike;
+    # position 4 was declined in a quarter of the steps, a rejection there
+    planned = load_acceptance(str(path), max_k=6)
+    easy_planned = planned.components[0]
+    assert easy_planned.accept[:3] == pytest.approx(easy.accept[:3], abs=0.02)
+    assert easy_planned.accept[3] == pytest.approx(0.75 * easy.accept[3], abs=0.05)
 
 
 def test_traces_homogeneous_gives_one_class(tmp_path):
@@ -259,18 +265,68 @@ def test_traces_homogeneous_gives_one_class(tmp_path):
     assert m.components[0].accept == pytest.approx((0.7,) * 4, abs=0.04)
 
 
-def test_traces_with_declined_drafts_say_the_acceptance_is_per_offered_draft(tmp_path):
+def test_traces_with_declined_drafts_say_how_the_declined_drafts_were_read(tmp_path):
     # an n-gram drafter offers nothing on a quarter of the steps and 2 of 4 on an eighth: the
-    # model is the acceptance of the offered drafts, and the source says so with the shares
+    # source says how the declined drafts were read (per planned draft by default) and their shares
     records = [{"request": r, "step": s, "offered": 0 if s % 4 == 0 else 2 if s % 8 == 1 else 4, "accepted": 0}
                for r in range(10) for s in range(16)]
     path = tmp_path / "ngram.jsonl"
     _write_traces(path, records)
     src = load_acceptance(str(path), max_k=4).source
+    assert src.endswith("; per planned draft, a declined one rejected: 25% of steps offered none, "
+                        "12% fewer than 4)"), src
+    src = load_acceptance(f"{path}#declined=offered", max_k=4).source
     assert src.endswith("; per offered draft: 25% of steps offered none, 12% fewer than 4)"), src
     full = tmp_path / "full.jsonl"
     _write_traces(full, [{**r, "offered": 4} for r in records])
-    assert "per offered draft" not in load_acceptance(str(full), max_k=4).source
+    assert "draft" not in load_acceptance(str(full), max_k=4).source
+
+
+def test_a_declined_draft_is_a_rejection_per_planned_draft_and_absent_per_offered_draft(tmp_path):
+    # request a: offered 0 (declined at position 1), offered 2 and both accepted (position 3
+    # declined), offered 4 and 1 accepted; the set's K is 4
+    records = [{"request": "a", "step": 0, "offered": 0, "accepted": 0},
+               {"request": "a", "step": 1, "offered": 2, "accepted": 2},
+               {"request": "a", "step": 2, "offered": 4, "accepted": 1}]
+    path = tmp_path / "t.jsonl"
+    _write_traces(path, records)
+    planned = read_traces(str(path), max_k=4)
+    assert planned.trials[0].tolist() == [3, 2, 1, 0] and planned.successes[0].tolist() == [2, 1, 0, 0]
+    offered = read_traces(str(path), max_k=4, declined="offered")
+    assert offered.trials[0].tolist() == [2, 2, 0, 0] and offered.successes[0].tolist() == [2, 1, 0, 0]
+
+
+def test_per_planned_traces_read_as_a_copy_whose_every_step_offered_the_set_k(tmp_path):
+    # the default model equals the per-offered model of a copy in which every step offered the
+    # set's K (what benchmarks/sim_declined_drafts.py writes): a declined draft reads as the
+    # first rejection, so the engine's counters and the simulator's model agree
+    rng = np.random.default_rng(5)
+    records = []
+    for r in range(40):
+        easy = r % 2 == 0
+        for s in range(30):
+            offered = int(rng.choice([0, 2, 5], p=[0.3, 0.1, 0.6]))
+            accepted = 0
+            while accepted < offered and rng.random() < (0.8 if easy else 0.4):
+                accepted += 1
+            records.append({"request": r, "step": s, "offered": offered, "accepted": accepted})
+    path, copy = tmp_path / "t.jsonl", tmp_path / "copy.jsonl"
+    _write_traces(path, records)
+    _write_traces(copy, [{**rec, "offered": 5} for rec in records])
+    a = load_acceptance(str(path), max_k=5)
+    b = load_acceptance(f"traces:{copy}#declined=offered", max_k=5)
+    assert [c.weight for c in a.components] == pytest.approx([c.weight for c in b.components])
+    assert [c.accept for c in a.components] == [c.accept for c in b.components]
+    per_offered = load_acceptance(f"{path}#declined=offered", max_k=5)
+    assert a.expected_tokens(5) < per_offered.expected_tokens(5) - 0.2
+
+
+@pytest.mark.parametrize("selector", ["#declined=maybe", "#model=x", "#declined"])
+def test_a_trace_selector_that_is_not_declined_is_refused_naming_the_file(tmp_path, selector):
+    path = tmp_path / "t.jsonl"
+    _write_traces(path, [{"request": "a", "step": 0, "offered": 2, "accepted": 1}])
+    with pytest.raises(AcceptanceError, match=r"t\.jsonl: unknown selector .*#declined=rejected or #declined=offered"):
+        load_acceptance(f"{path}{selector}", max_k=4)
 
 
 def test_calibration_monotone_and_close(tmp_path):
