@@ -1,19 +1,23 @@
-"""A trace set simulated two ways: acceptance per planned draft (a declined draft counted as
-rejected, as the runtime's counters count it: the trace model's default) and per offered draft
-(``FILE#declined=offered``).
+"""A trace set simulated two ways beside the GPU: the classes fitted per offered draft
+(``FILE#declined=offered``) and the trace set replayed token by token (the simulator's default
+for a trace set: ``spectune.autotune.simulator``, "Token replay"), with bench results of the same
+set printed beside (``--measured``: full-load tok/s over plain decoding's).
 
 An n-gram or suffix drafter offers fewer drafts than the step verifies where its match is short,
 and none where nothing matches (`docs/TRACES.md`). The runtime plans a step's shape before it
 knows what the drafter will offer, so a declined slot is paid for, and the controller's counters
-count it as tested and rejected (`Engine._count_declined`, `docs/BENCH_METHOD.md`): the trace
-model reads a set that way by default. Per offered draft, position i counts only in the steps
-that offered it: the acceptance of the drafts that were offered, as an engine that verifies only
-those would see it. This script runs `spectune simulate --json` on both readings and prints each
-arm's goodput and accepted length side by side.
+count it as tested and rejected (`Engine._count_declined`, `docs/BENCH_METHOD.md`). Per offered
+draft, position i counts only in the steps that offered it: the acceptance of the drafts that
+were offered. The token replay plays the recorded steps as the bench's engine does, a declined
+draft a rejection, and a step that starts inside a recorded step accepting what that step had
+left (acceptance that depends on K, as an n-gram span does). This script runs `spectune simulate
+--json` on both and prints each arm's goodput, accepted length and full-load ratio to plain.
 
+    R=benchmarks/results
     PYTHONPATH=. python benchmarks/sim_declined_drafts.py spectune/profiles/nvidia-h100_qwen3-8b_eagle-1l.fused.ctx320.policy.yaml \\
-        --trace spectune/data/traces/mtbench-ngram.jsonl.gz --concurrency 1 --requests 24 --decode-tokens 63 --repeats 6 \\
-        --out benchmarks/results/heldout_h100own_v26/sim_declined_drafts_mtbench_c1.json
+        --trace spectune/data/traces/mtbench-ngram.jsonl.gz --concurrency 1,16,64,256 --requests 24,48,128,320 --repeats 3 \\
+        --measured $R/heldout_h100own_v2[346]/bench_heldout_mtbench_h100own_v2*.json \\
+        --out $R/trace_planned_v27/sim_vs_h100_mtbench.json
 """
 
 from __future__ import annotations
@@ -66,19 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         ap.error(f"--measured: not a bench result JSON: {exc}")
     per_offered: list[dict] = []
-    per_planned: list[dict] = []
+    replayed: list[dict] = []
     runs = []
     for c, n in zip(conc, reqs * len(conc) if len(reqs) == 1 else reqs, strict=False):
         extra = ["--concurrency", c, "--requests", n, "--decode-tokens", a.decode_tokens,
                  "--repeats", a.repeats, "--arms", a.arms, "--shared-planner"]
         runs.append(extra)
         per_offered += simulate(a.policy, f"{a.trace}#declined=offered", extra)
-        per_planned += simulate(a.policy, a.trace, extra)
-    print(f"{'c':>4s} {'arm':>8s} {'per offered draft':>28s} {'per planned draft':>28s} {'measured':>9s}")
+        replayed += simulate(a.policy, a.trace, extra)
+    print(f"{'c':>4s} {'arm':>8s} {'classes per offered draft':>28s} {'token replay':>28s} {'measured':>9s}")
     print(f"{'':13s} {'tok/s accepted full/plain':>28s} {'tok/s accepted full/plain':>28s} {'full/plain':>9s}")
-    plain = {(r["concurrency"], m): r["full_tok_s"] for m, rows in (("o", per_offered), ("p", per_planned))
+    plain = {(r["concurrency"], m): r["full_tok_s"] for m, rows in (("o", per_offered), ("p", replayed))
              for r in rows if r["arm"] == "plain"}
-    for x, y in zip(per_offered, per_planned, strict=True):
+    for x, y in zip(per_offered, replayed, strict=True):
         c = x["concurrency"]
         ro = x["full_tok_s"] / plain[(c, "o")] if (c, "o") in plain else float("nan")
         rp = y["full_tok_s"] / plain[(c, "p")] if (c, "p") in plain else float("nan")
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if m is None else f'{m:9.3f}'}")
     if a.out:
         atomic_write_text(a.out, json.dumps({"policy": a.policy, "trace": a.trace, "args": runs,
-                                             "per_offered_draft": per_offered, "per_planned_draft": per_planned,
+                                             "per_offered_draft": per_offered, "token_replay": replayed,
                                              "measured": a.measured,
                                              "measured_full_over_plain": [{"concurrency": c, "arm": arm, "ratio": r}
                                                                           for (c, arm), r in sorted(measured.items())]},

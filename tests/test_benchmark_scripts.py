@@ -847,9 +847,10 @@ def test_planner_trace_passes_the_same_planner_and_names_the_step_a_changed_one_
     assert "missing.yaml: no such policy table" in capsys.readouterr().err
 
 
-def test_declined_drafts_simulates_a_trace_set_per_planned_and_per_offered_draft(tmp_path, capsys):
-    # every other step offers nothing: per planned draft a fixed K = 1 accepts half as often as
-    # per offered draft, and the script writes both readings of the same set
+def test_declined_drafts_simulates_a_trace_set_per_offered_draft_and_by_token_replay(tmp_path, capsys):
+    # every other step offers nothing: per offered draft a fixed K = 1 always accepts; replayed,
+    # the output runs 2, 1, 0 (a step of 3 offered, 2 right) then 0 (a step that offered none),
+    # so K = 1 steps start at runs 2, 0, 0: 4 tokens in 3 steps
     mod = load("sim_declined_drafts")
     steps = [{"request": f"r{r}", "step": i, "offered": 0 if i % 2 else 3, "accepted": 0 if i % 2 else 2}
              for r in range(8) for i in range(40)]
@@ -860,11 +861,10 @@ def test_declined_drafts_simulates_a_trace_set_per_planned_and_per_offered_draft
     assert mod.main([table, "--trace", str(src), "--concurrency", "1", "--requests", "2", "--decode-tokens", "15",
                      "--repeats", "1", "--arms", "fixed:1", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    (offered,), (planned,) = got["per_offered_draft"], got["per_planned_draft"]
-    # per offered draft the first draft is always right (2 tokens a step; a request's last step
-    # has no room to draft), per planned draft in half the steps
-    assert offered["mean_accept_len"] >= 1.85 and planned["mean_accept_len"] == pytest.approx(1.5, abs=0.1)
-    assert "per offered draft" in capsys.readouterr().out
+    (offered,), (replayed,) = got["per_offered_draft"], got["token_replay"]
+    # (a request's last step has no room to draft: 15 tokens)
+    assert offered["mean_accept_len"] >= 1.85 and replayed["mean_accept_len"] == pytest.approx(4 / 3, abs=0.05)
+    assert "classes per offered draft" in capsys.readouterr().out
 
 
 def test_declined_drafts_reads_measured_full_load_ratios_to_plain(tmp_path):

@@ -28,7 +28,7 @@ import functools
 import importlib.resources
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -124,6 +124,9 @@ class AcceptanceModel:
     components: tuple[Component, ...]
     max_k: int  # every component has max_k conditional rates
     calibration: tuple[tuple[float, float], ...] | None = None  # (confidence bin upper edge, P(accept | bin))
+    # a trace set's recorded steps per request (``spectune.models.trace_steps.RequestSteps``), which
+    # the simulator replays token by token as the bench's engine does; not part of the table
+    replay: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate("")
@@ -156,7 +159,7 @@ class AcceptanceModel:
         if self.max_k >= max_k:
             return self
         comps = tuple(Component(c.weight, extend_conditional(c.accept, max_k)) for c in self.components)
-        return AcceptanceModel(self.source, comps, max_k, self.calibration)
+        return AcceptanceModel(self.source, comps, max_k, self.calibration, self.replay)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """[n, max_k] conditional acceptance rows, one per sampled request (component by weight)."""

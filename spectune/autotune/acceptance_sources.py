@@ -383,6 +383,18 @@ class TraceCounts:
     step_offered: np.ndarray | None = None  # [S] per step, in file order
     step_accepted: np.ndarray | None = None  # [S]
     step_conf: np.ndarray | None = None  # [S, max_k] raw conf, NaN where not offered or absent
+    step_request: np.ndarray | None = None  # [S] index into ``requests``
+
+
+def recorded_steps(counts: TraceCounts) -> tuple[RequestSteps, ...]:
+    """Each request's recorded steps in file order (what a token replay plays)."""
+    assert counts.step_request is not None and counts.step_offered is not None
+    assert counts.step_accepted is not None and counts.step_conf is not None
+    out = []
+    for r, name in enumerate(counts.requests):
+        mine = counts.step_request == r
+        out.append(RequestSteps(name, counts.step_offered[mine], counts.step_accepted[mine], counts.step_conf[mine]))
+    return tuple(out)
 
 
 def _field_int(obj: dict, key: str, where: str, lo: int = 0) -> int:
@@ -492,6 +504,7 @@ def read_traces(path: str, *, max_k: int, declined: str = "rejected") -> TraceCo
         step_offered=np.array([r[0] for r in step_rows], dtype=np.int64),
         step_accepted=np.array([r[1] for r in step_rows], dtype=np.int64),
         step_conf=step_conf,
+        step_request=np.array(step_request, dtype=np.int64),
     )
 
 
@@ -606,7 +619,10 @@ def load_traces(spec: str, *, max_k: int) -> AcceptanceModel:
     else:
         comps = _request_components(counts, depth, max_k)
         source = f"traces:{Path(path).name} ({n_req} requests, {counts.steps} steps, {len(comps)} classes{note})"
-    return AcceptanceModel(source=source, components=tuple(comps), max_k=max_k, calibration=calibration)
+    # per planned draft, the simulator replays the recorded steps token by token, as the bench does
+    replay = recorded_steps(counts) if declined == "rejected" else None
+    return AcceptanceModel(source=source, components=tuple(comps), max_k=max_k, calibration=calibration,
+                           replay=replay)
 
 
 def _declined_selector(path: str) -> tuple[str, str]:

@@ -26,6 +26,14 @@ forwards (``prefill``), or ride in the decode steps (``ride``: mixed prefill; a 
 prompt tokens runs its target at tier + P tokens, and a request joins the batch after its last
 piece), as the engine runs them.
 Drafter confidence (``AcceptanceModel.calibration``) is not simulated.
+
+Token replay: a trace set's model (``AcceptanceModel.replay``: the recorded steps of each request)
+is replayed as the bench's engine replays it (``spectune.models.trace_steps.token_tables``), not
+drawn from its fitted classes: request j plays the recorded requests of a seeded order end to end,
+and a step that starts at output token n accepts ``min(granted, run[n])`` drafts, ``run[n]`` the
+right drafts the recorded step covering n had left from there. So acceptance depends on K as the
+recording's does (an n-gram match is a span: a small K starts more steps inside one), and a
+declined draft is a rejection. Without drift and with ``accept_scale`` 1; otherwise the classes.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from spectune.autotune.expectation import (
     inflight_weights,
 )
 from spectune.errors import SpectuneError
+from spectune.models.trace_steps import request_tokens
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier, step_ms
 from spectune.runtime.prefill_plan import Piece, Riding
@@ -126,7 +135,7 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
 # counter-based uniforms: request j's class, length and the difficulty of each of its output
 # tokens are pure functions of (seed, j, token), so arms run with one seed see the same requests
 # and the same acceptance draws whatever K they verify (common random numbers)
-_STREAM_CLASS, _STREAM_LENGTH, _STREAM_TIE, _STREAM_TOKEN = 0, 1, 2, 3
+_STREAM_CLASS, _STREAM_LENGTH, _STREAM_TIE, _STREAM_TOKEN, _STREAM_REPLAY = 0, 1, 2, 3, 4
 _M1, _M2, _G = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -204,6 +213,40 @@ class _Traffic:
             return cls
         late = np.minimum(np.searchsorted(self.cum_second, u, side="right"), len(self.cum_second) - 1)
         return np.where(second, len(self.cum_first) + late, cls)
+
+
+@dataclass
+class _Replay:
+    """Token replay of recorded requests (module doc): request j plays ``order[j % N], order[(j + 1)
+    % N], ...`` end to end, its runs built as its output grows."""
+
+    runs: list[np.ndarray]  # per recorded request [T]: right drafts left at each output index
+    order: np.ndarray  # [N] seeded permutation of the recorded requests
+    rows: dict[int, np.ndarray] = field(default_factory=dict)  # request id -> runs over its output
+    parts: dict[int, int] = field(default_factory=dict)  # request id -> recorded requests played
+
+    @classmethod
+    def of(cls, steps: Sequence[Any], seed: int) -> _Replay:
+        runs = [request_tokens(r)[0] for r in steps]
+        return cls(runs, np.random.default_rng([seed, _STREAM_REPLAY]).permutation(len(runs)))
+
+    def run_at(self, req: np.ndarray, made: np.ndarray, k: int) -> np.ndarray:
+        """[b] right drafts from output index ``made`` on, for requests ``req``."""
+        out = np.empty(len(req), np.int64)
+        for j, (i, n) in enumerate(zip(req.tolist(), made.tolist(), strict=True)):
+            row = self.rows.get(i)
+            while row is None or len(row) <= n:
+                m = self.parts.get(i, 0)
+                nxt = self.runs[int(self.order[(i + m) % len(self.order)])]
+                row = nxt if row is None else np.concatenate([row, nxt])
+                self.rows[i], self.parts[i] = row, m + 1
+            out[j] = row[n]
+        return np.minimum(out, k)
+
+    def forget(self, req: np.ndarray) -> None:
+        for i in req.tolist():
+            self.rows.pop(i, None)
+            self.parts.pop(i, None)
 
 
 @dataclass
@@ -305,6 +348,7 @@ class _Run:
     prefill: PrefillFn | None = None  # ms of admitting n requests at once (separate forwards)
     ride: Riding | None = None  # mixed prefill: prompts ride in the steps
     host_lag: bool = False  # a request whose last step emitted >= 2 tokens rides one more step idle
+    replay: _Replay | None = None  # a trace set replayed token by token (module doc)
 
 
 def _new_requests(run: _Run, ids: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -356,9 +400,12 @@ def _verify(run: _Run, batch: _Batch, k: int, granted: np.ndarray, rates: np.nda
     """Accept the granted drafts against the true rates; update each request's history.
     Returns accepted [b] and the step's counters (accepted, tested per position) [K] each."""
     cols = np.arange(k)[None, :]
-    u = crn_uniform(run.seed, _STREAM_TOKEN, batch.req[:, None], batch.made[:, None] + cols)
-    ok = (u < run.traffic.accept[batch.cls, :k]) & (cols < granted[:, None])
-    accepted = np.cumprod(ok, 1).sum(1)
+    if run.replay is not None:
+        accepted = np.minimum(run.replay.run_at(batch.req, batch.made, k), granted)
+    else:
+        u = crn_uniform(run.seed, _STREAM_TOKEN, batch.req[:, None], batch.made[:, None] + cols)
+        ok = (u < run.traffic.accept[batch.cls, :k]) & (cols < granted[:, None])
+        accepted = np.cumprod(ok, 1).sum(1)
     tested = (cols < granted[:, None]) & (cols <= accepted[:, None])
     batch.acc = batch.acc + accepted
     batch.exp = batch.exp + expected_accepts(np.concatenate([[0.0], np.cumsum(rates[:k])]), granted, accepted)
@@ -415,6 +462,8 @@ def _retire_and_refill(run: _Run, tally: _Tally, batch: _Batch, next_req: int, s
         finished[idx[:left]] = True
         keep[idx[left:]] = False
     n_new = int(finished.sum())
+    if run.replay is not None:
+        run.replay.forget(batch.req[finished])
     batch.req[finished] = np.arange(next_req, next_req + n_new)
     batch.cls[finished], batch.remaining[finished] = _new_requests(run, batch.req[finished], step)
     batch.made[finished], batch.acc[finished], batch.exp[finished], batch.last[finished] = 0, 0.0, 0.0, 0
@@ -561,7 +610,8 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
 
     ``drift``: a second acceptance model; requests of the second half (closed: id >= requests // 2;
     open: arriving at step >= steps // 2) draw their class from it. ``accept_scale`` scales every
-    true conditional rate. ``allocation`` (module doc) ranks by what a runtime knows unless it is
+    true conditional rate. A trace set's model (``acceptance.replay``) is replayed token by token
+    (module doc) without drift and at ``accept_scale`` 1. ``allocation`` (module doc) ranks by what a runtime knows unless it is
     "oracle"; ``prior`` [max_k]: the population rates used while the policy has no ``rates``
     (default: the mean curve of ``acceptance``). ``policy_fn.observe`` (if any) gets each step's
     acceptance counters one step late: accepted and tested drafts per position (a draft is tested
@@ -601,8 +651,10 @@ def simulate(cost: CostModel, acceptance: AcceptanceModel, policy_fn: PolicyFn, 
         raise SpectuneError("ride needs prefill: a burst above the ride limit takes separate forwards")
     traffic = _Traffic.of(acceptance, drift, accept_scale)
     base = traffic.prior if prior is None else np.asarray(extend_conditional(tuple(prior), traffic.max_k), float)
+    replay = (_Replay.of(acceptance.replay, seed)
+              if acceptance.replay is not None and drift is None and accept_scale == 1.0 else None)
     run = _Run(cost, traffic, policy_fn, seed, allocation, closed, requests, steps, mean_output_tokens, lengths,
-               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill, ride, host_lag)
+               np.clip(base[: traffic.max_k], 0.0, 1.0), prefill, ride, host_lag, replay)
     return _serve(run, concurrency)
 
 

@@ -262,7 +262,9 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
         rows += here
     source = drift_source(what.acceptance, what.drift) if what.drift is not None else what.acceptance.source
     tuned = table.acceptance.get("source") if table.acceptance else None
-    return {"rows": rows, "acceptance": source, "tuned_acceptance": tuned, "drift": what.drift is not None,
+    replayed = what.acceptance.replay is not None and what.drift is None  # (``simulate``: token replay)
+    return {"rows": rows, "acceptance": source + (" -- replayed token by token" if replayed else ""),
+            "tuned_acceptance": tuned, "drift": what.drift is not None,
             "context_len": planner.cost.context_len, "repeats": what.repeats, "prompt_len": what.prompt_len,
             "host_lag": what.host_lag,
             "mixed_prefill": None if what.ride is None else {"budget": what.ride.budget,

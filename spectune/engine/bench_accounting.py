@@ -141,15 +141,19 @@ def predict_decode(cost: CostModel, acceptance: AcceptanceModel, make_policy: Ca
     ``benchmarks/sim_host_lag.py`` it halved the drafting arms' median error)."""
     reps = max(1, -(-SIM_REQUESTS // max(1, requests)))
 
-    def run(scale: float, with_prefill: bool = False) -> Predicted:
-        return predict_arm(cost, acceptance, make_policy, concurrency=concurrency, requests=requests,
+    # the rescaled prediction scales the fitted classes' rates (a trace set's token replay, which
+    # the first prediction plays, has no rate to scale: ``simulate``)
+    classes = dataclasses.replace(acceptance, replay=None)
+
+    def run(scale: float, with_prefill: bool = False, model: AcceptanceModel = classes) -> Predicted:
+        return predict_arm(cost, model, make_policy, concurrency=concurrency, requests=requests,
                            decode_tokens=decode_tokens, context_len=context_len, seeds=range(seed, seed + reps),
                            drift=drift, prior=prior, accept_scale=scale,
                            prefill=prefill if with_prefill or ride is not None else None, ride=ride,
                            host_lag=host_lag)
 
     try:
-        first = run(1.0, True)
+        first = run(1.0, True, acceptance)
         base, output = first.goodput_tok_s, first.output_tok_s
         at_accept = None if speculative else base
         measured = res.mean_accept_len_clean if speculative and at_measured_accept else None

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -462,3 +464,55 @@ def test_ride_needs_a_prefill_model_and_checks_its_fields():
     assert r.rides(2, 0) and not r.rides(3, 0) and r.rides(3, 1)  # anything joins a queue that fills
     assert r.pieces([0, 0, 0, 90]) == [Piece(0, 0, 64, False), Piece(1, 0, 64, False), Piece(2, 0, 64, False),
                                        Piece(3, 90, 10, True)]
+
+
+def _span_traces(tmp_path, n_requests: int = 4, steps: int = 60):
+    # each request repeats a step that offered 7 with 3 right, then one that offered none: its
+    # output runs 3, 2, 1, 0 (right drafts left from each index of the first step) then 0
+    import json
+
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps({"request": f"r{r}", "step": i, "offered": 0 if i % 2 else 7,
+                                        "accepted": 0 if i % 2 else 3}) + "\n"
+                            for r in range(n_requests) for i in range(steps)))
+    return path
+
+
+def test_a_trace_set_is_replayed_token_by_token_so_its_acceptance_depends_on_k(tmp_path):
+    from spectune.autotune.acceptance import load_acceptance
+
+    model = load_acceptance(str(_span_traces(tmp_path)), max_k=7)
+    assert model.replay is not None and len(model.replay) == 4
+    kw = dict(concurrency=1, steps=100_000, requests=2, mean_output_tokens=100.0, workload="closed",
+              lengths="fixed")
+    # K = 1 starts its steps at runs 3, 1, 0 of each 5 tokens (3 steps), K = 7 at 3 and 0 (2 steps)
+    k1 = simulate(constant_cost(), model, FixedK(1), **kw)
+    k7 = simulate(constant_cost(), model, FixedK(7), **kw)
+    assert k1.mean_accept_len == pytest.approx(5 / 3, abs=0.03)
+    assert k7.mean_accept_len == pytest.approx(5 / 2, abs=0.05)
+    # the fitted classes (per planned draft) see position 1 right in half the steps at any K
+    classes = dataclasses.replace(model, replay=None)
+    assert simulate(constant_cost(), classes, FixedK(1), **kw).mean_accept_len == pytest.approx(1.5, abs=0.08)
+    # with drift, or rates scaled, the classes play
+    scaled = simulate(constant_cost(), model, FixedK(1), accept_scale=0.999, **kw)
+    assert scaled.mean_accept_len == pytest.approx(1.5, abs=0.08)
+    # per offered draft: no replay (its steps would replay per planned draft)
+    assert load_acceptance(f"{_span_traces(tmp_path)}#declined=offered", max_k=7).replay is None
+
+
+def test_token_replay_counts_what_the_engine_counts(tmp_path):
+    # observe() gets the step's counters: position j tested where granted and the j - 1 before
+    # it were right, a declined draft tested and rejected
+    from spectune.autotune.acceptance import load_acceptance
+
+    model = load_acceptance(str(_span_traces(tmp_path)), max_k=7)
+    seen: list[tuple[list[int], list[int]]] = []
+
+    class Spy(FixedK):
+        def observe(self, accepted, tested):
+            seen.append((list(accepted), list(tested)))
+
+    simulate(constant_cost(), model, Spy(4), concurrency=1, steps=100_000, requests=1, mean_output_tokens=20.0,
+             workload="closed", lengths="fixed")
+    # steps start at run 3 (3 right, the 4th tested and wrong), then run 0 (1 tested, wrong)
+    assert seen[0] == ([1, 1, 1, 0], [1, 1, 1, 1]) and seen[1] == ([0, 0, 0, 0], [1, 0, 0, 0])
