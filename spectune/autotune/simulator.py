@@ -55,7 +55,7 @@ from spectune.autotune.expectation import (
     inflight_weights,
 )
 from spectune.errors import SpectuneError
-from spectune.models.trace_steps import request_tokens
+from spectune.models.trace_steps import played
 from spectune.runtime.costs import CostModel
 from spectune.runtime.planner import Plan, smallest_tier, step_ms
 from spectune.runtime.prefill_plan import Piece, Riding
@@ -218,35 +218,32 @@ class _Traffic:
 @dataclass
 class _Replay:
     """Token replay of recorded requests (module doc): request j plays ``order[j % N], order[(j + 1)
-    % N], ...`` end to end, its runs built as its output grows."""
+    % N], ...`` end to end (``trace_steps.played``), its runs built as its output grows."""
 
     runs: list[np.ndarray]  # per recorded request [T]: right drafts left at each output index
     order: np.ndarray  # [N] seeded permutation of the recorded requests
     rows: dict[int, np.ndarray] = field(default_factory=dict)  # request id -> runs over its output
-    parts: dict[int, int] = field(default_factory=dict)  # request id -> recorded requests played
 
     @classmethod
     def of(cls, steps: Sequence[Any], seed: int) -> _Replay:
-        runs = [request_tokens(r)[0] for r in steps]
+        runs = [r.runs for r in steps]  # (made once per recorded request, kept by the model)
         return cls(runs, np.random.default_rng([seed, _STREAM_REPLAY]).permutation(len(runs)))
 
-    def run_at(self, req: np.ndarray, made: np.ndarray, k: int) -> np.ndarray:
+    def run_at(self, req: np.ndarray, made: np.ndarray) -> np.ndarray:
         """[b] right drafts from output index ``made`` on, for requests ``req``."""
         out = np.empty(len(req), np.int64)
+        lengths = None
         for j, (i, n) in enumerate(zip(req.tolist(), made.tolist(), strict=True)):
             row = self.rows.get(i)
-            while row is None or len(row) <= n:
-                m = self.parts.get(i, 0)
-                nxt = self.runs[int(self.order[(i + m) % len(self.order)])]
-                row = nxt if row is None else np.concatenate([row, nxt])
-                self.rows[i], self.parts[i] = row, m + 1
+            if row is None or len(row) <= n:
+                lengths = lengths or [len(r) for r in self.runs]
+                row = self.rows[i] = np.concatenate([self.runs[r] for r in played(lengths, self.order, i, n + 1)])
             out[j] = row[n]
-        return np.minimum(out, k)
+        return out
 
     def forget(self, req: np.ndarray) -> None:
         for i in req.tolist():
             self.rows.pop(i, None)
-            self.parts.pop(i, None)
 
 
 @dataclass
@@ -401,7 +398,7 @@ def _verify(run: _Run, batch: _Batch, k: int, granted: np.ndarray, rates: np.nda
     Returns accepted [b] and the step's counters (accepted, tested per position) [K] each."""
     cols = np.arange(k)[None, :]
     if run.replay is not None:
-        accepted = np.minimum(run.replay.run_at(batch.req, batch.made, k), granted)
+        accepted = np.minimum(run.replay.run_at(batch.req, batch.made), granted)
     else:
         u = crn_uniform(run.seed, _STREAM_TOKEN, batch.req[:, None], batch.made[:, None] + cols)
         ok = (u < run.traffic.accept[batch.cls, :k]) & (cols < granted[:, None])

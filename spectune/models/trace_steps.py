@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,15 @@ class RequestSteps:
     @property
     def k(self) -> int:
         return int(self.conf.shape[1])
+
+    @cached_property
+    def runs(self) -> np.ndarray:
+        """[T] right drafts left at each output index of this request (T = sum of a_s + 1): the
+        step at index n accepts min(granted, runs[n]); made once per request."""
+        a = self.accepted.astype(np.int64)
+        lengths = a + 1
+        start = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return np.repeat(a, lengths) - (np.arange(int(lengths.sum())) - start)
 
     @property
     def right(self) -> np.ndarray:
@@ -159,16 +169,31 @@ def request_tokens(req: RequestSteps, conf: np.ndarray | None = None) -> tuple[n
     (T = sum of a_s + 1; ``conf`` [S, K] replaces the recorded confidences, e.g. calibrated)."""
     c = np.nan_to_num(req.conf if conf is None else conf, nan=0.0)  # [S, K]
     k = req.k
-    runs, offers, confs = [], [], []
+    offers, confs = [], []
     for s in range(len(req.offered)):
         a, o = int(req.accepted[s]), int(req.offered[s])
         i = np.arange(a + 1)
-        runs.append(a - i)
         offers.append(np.maximum(0, o - i))
         idx = i[:, None] + np.arange(k)[None, :]  # [a + 1, K] recorded position of draft j
         padded = np.concatenate([c[s], np.zeros(k)])  # positions past K: not offered
         confs.append(np.where(idx < o, padded[np.minimum(idx, 2 * k - 1)], 0.0))
-    return np.concatenate(runs), np.concatenate(offers), np.concatenate(confs, axis=0)
+    return req.runs, np.concatenate(offers), np.concatenate(confs, axis=0)
+
+
+def played(lengths: Sequence[int], order: Sequence[int] | np.ndarray, i: int, need: int) -> list[int]:
+    """The recorded requests replayed request i plays to cover ``need`` output indices:
+    ``order[i % N], order[(i + 1) % N], ...`` end to end (``lengths``: each recorded request's
+    output indices, ``RequestSteps.runs``); the one replay order of the bench's engine
+    (``token_tables``) and of the simulator."""
+    out: list[int] = []
+    got, n = 0, len(order)
+    while got < need:
+        r = int(order[(i + len(out)) % n])
+        if lengths[r] < 1:
+            raise TraceStepsError(f"requests: recorded request {r} has no output to replay")
+        out.append(r)
+        got += lengths[r]
+    return out
 
 
 def token_tables(requests: Sequence[RequestSteps], order: Sequence[int], n: int, length: int, *,
@@ -190,15 +215,13 @@ def token_tables(requests: Sequence[RequestSteps], order: Sequence[int], n: int,
     offered = np.zeros((n, length), np.int64)
     cf = np.zeros((n, length, k))
     need = max(0, length - offset)
+    lengths = [len(r.runs) for r in requests]
     for i in range(n):
-        parts, got, m = [], 0, 0
-        while got < need:
-            r = int(order[(i + m) % len(order)])
+        parts = []
+        for r in played(lengths, order, i, need):
             if r not in per:
                 per[r] = request_tokens(requests[r], None if conf is None else conf[r])
             parts.append(per[r])
-            got += len(per[r][0])
-            m += 1
         if parts:
             run[i, offset:] = np.concatenate([p[0] for p in parts])[:need]
             offered[i, offset:] = np.concatenate([p[1] for p in parts])[:need]

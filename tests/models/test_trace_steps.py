@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from spectune.models.trace_steps import TraceStepsError, calibrated, request_steps, split
+from spectune.models.trace_steps import TraceStepsError, calibrated, played, request_steps, split
 
 
 def rec(request, step, offered, accepted, conf=None):
@@ -40,6 +40,30 @@ def test_right_and_known_positions():
     assert b.known[0].tolist() == [False] * 4  # nothing offered
     assert b.known[1].tolist() == [True, True, False, False]  # all offered accepted, 3 not offered
     assert a.pairs() == [[(True, 0.9), (True, 0.8), (False, 0.3)], [(False, 0.2)]]
+
+
+def test_runs_count_the_right_drafts_left_at_each_output_index():
+    a, b = request_steps(RECORDS, k=4)
+    # a: step 0 accepted 2 (indices 0, 1, 2 have 2, 1, 0 left), step 1 accepted 0 (index 3: 0)
+    assert a.runs.tolist() == [2, 1, 0, 0]
+    assert b.runs.tolist() == [0, 2, 1, 0]
+    assert a.runs is a.runs  # made once per request
+    rng = np.random.default_rng(7)
+    for _ in range(5):  # against the step-by-step definition on fresh random steps
+        acc = rng.integers(0, 5, size=int(rng.integers(1, 30)))
+        recs = [rec("r", s, 4, int(x)) for s, x in enumerate(acc)]
+        want = np.concatenate([x - np.arange(x + 1) for x in acc])
+        assert request_steps(recs, k=4)[0].runs.tolist() == want.tolist()
+
+
+def test_played_covers_the_need_in_order_and_wraps():
+    lengths = [3, 5, 2]
+    assert played(lengths, [2, 0, 1], 0, 1) == [2]
+    assert played(lengths, [2, 0, 1], 0, 3) == [2, 0]  # 2 indices, then 3 more
+    assert played(lengths, [2, 0, 1], 2, 9) == [1, 2, 0]  # from order[2], wrapping round
+    assert played(lengths, [2, 0, 1], 1, 0) == []
+    with pytest.raises(TraceStepsError, match="recorded request 1"):
+        played([3, 0], [1, 0], 0, 4)
 
 
 def test_accepted_with_a_smaller_grant_is_the_prefix():
