@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpectuneError, OSError, ValueError) as exc:
         print(f"e2e_ceiling: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    what = replace(WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), served, None, repeats=a.repeats),
+    what = replace(WhatIf(planner.fresh, served, None, repeats=a.repeats),
                    decode_tokens=a.new_tokens - 1, prompt_len=a.prompt_len)
     separate = simulate_table(what, concurrency, arms)["rows"]
     riding = simulate_table(replace(what, ride=Riding(a.prompt_len, RIDE_BUDGET, None)), concurrency, arms)["rows"]

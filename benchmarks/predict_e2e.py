@@ -30,7 +30,7 @@ from spectune.autotune.whatif import predict_arm, tuned_prior
 from spectune.engine.bench import FixedPolicy, bench_tiers, parse_arm
 from spectune.engine.bench_accounting import SIM_REQUESTS
 from spectune.io import atomic_write_text
-from spectune.runtime.planner import Planner, load
+from spectune.runtime.planner import load
 from spectune.runtime.prefill_plan import Riding, prefill_ms
 
 RIDE_ALL = 1 << 30  # the ride limit of a run from before the limit existed: every prompt rode
@@ -70,7 +70,7 @@ def predict_file(path: Path, root: Path) -> list[dict[str, Any]]:
                 return FixedPolicy(k, tiers)
             # riding steps as the run shaped them: ``plan_ride``, else ``plan(batch)`` (a ``:plan``
             # mode's run, or one from before plan_ride, whose header has no ride_shapes)
-            policy = Planner(planner.table)
+            policy = planner.fresh()
             policy.ride_aware = h.get("ride_shapes") == "plan_ride"
             return policy
 

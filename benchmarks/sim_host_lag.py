@@ -31,7 +31,7 @@ from spectune.engine.bench import FixedPolicy
 from spectune.engine.bench_accounting import SIM_REQUESTS
 from spectune.errors import SpectuneError
 from spectune.io import atomic_write_text
-from spectune.runtime.planner import Planner, load
+from spectune.runtime.planner import load
 
 
 def served_source(header: dict[str, Any]) -> str | None:
@@ -67,7 +67,7 @@ def cells(path: Path, concurrency: set[int] | None) -> list[dict[str, Any]]:
         k = parse_arm(arm)
 
         def make(k: int | None = k) -> Any:
-            return FixedPolicy(k, tiers) if k is not None else Planner(planner.table)
+            return FixedPolicy(k, tiers) if k is not None else planner.fresh()
 
         n = rows[0]["completed"]
         seeds = range(int(header.get("seed", 0)), int(header.get("seed", 0)) + max(1, -(-SIM_REQUESTS // n)))

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             first, second = known[name]
             model = resolve_acceptance(first, planner.k_hi)
             late = resolve_acceptance(second, planner.k_hi) if second else None
-        what = WhatIf(lambda: load(a.policy, on_gpu_mismatch="ignore"), model, late,
+        what = WhatIf(planner.fresh, model, late,
                       decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner,
                       served_cost=served, host_lag=a.host_lag)
         if a.requests is not None:

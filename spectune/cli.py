@@ -728,7 +728,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         served, drift = resolve_acceptance(first, max_k), resolve_acceptance(second, max_k)
     else:
         served = resolve_acceptance(args.acceptance if args.acceptance is not None else tuned, max_k)
-    what = WhatIf(lambda: load(args.policy, on_gpu_mismatch="ignore"), served, drift, repeats=args.repeats,
+    what = WhatIf(planner.fresh, served, drift, repeats=args.repeats,
                   shared=args.shared_planner, host_lag=args.host_lag,
                   served_cost=served_cost_of(args.served_cost, planner.table) if args.served_cost else None)
     if args.decode_tokens is not None:

@@ -330,6 +330,14 @@ def test_fused_step_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
         mod.main(["--device", "cpu", "--batches", "0", "--out-dir", str(tmp_path)])
 
 
+def one_run_timer(monkeypatch, mod):
+    """The script's timer, one timed run and no warm-up (these tests check what the script writes,
+    not its times; under Triton's interpreter each run of a kernel costs seconds)."""
+    from spectune.autotune.timing import WallClockTimer
+
+    monkeypatch.setattr(mod, "default_timer", lambda device: WallClockTimer(warmup=0, reps=1, batches=1))
+
+
 def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     # every shape and M on the tiny preset; fp8 through torch._scaled_mm on CPU (its gate lifted),
     # cuBLASLt skipped off CUDA; the small-M Triton kernel under the interpreter (tests/conftest.py)
@@ -339,6 +347,7 @@ def test_gemm_check_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
 
     mod = load("gemm_check")
     monkeypatch.setattr(mod, "scaled_mm_ok", lambda x, w: True)
+    one_run_timer(monkeypatch, mod)
     assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "2,1,17", "--flush-mib", "1",
                      "--read-mib", "1", "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gemm_check.json").read_text())
@@ -380,6 +389,7 @@ def test_gemm_check_sweep_writes_a_config_table(tmp_path, monkeypatch):
     from spectune.kernels import gemv
 
     mod = load("gemm_check")
+    one_run_timer(monkeypatch, mod)
     monkeypatch.setattr(mod, "candidate_configs", lambda n, k, sms: gemv.candidate_configs(n, k, sms)[:2])
     monkeypatch.setattr(mod, "row_candidate_configs", lambda n, k, sms: gemv.row_candidate_configs(n, k, sms)[:2])
     assert mod.main(["--device", "cpu", "--preset", "tiny", "--ms", "1", "--flush-mib", "1",

@@ -149,9 +149,10 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     from tests.engine.test_engine import write_policy
 
     policy = write_policy(tmp_path / "p.yaml")
-    loads = []
-    real = planner_mod.load
+    loads, fresh = [], []
+    real, real_fresh = planner_mod.load, planner_mod.Planner.fresh
     monkeypatch.setattr(planner_mod, "load", lambda *a, **kw: loads.append(1) or real(*a, **kw))
+    monkeypatch.setattr(planner_mod.Planner, "fresh", lambda self: fresh.append(self) or real_fresh(self))
     argv = ["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "1,4",
             "--requests", "8", "--repeats", "2", "--json"]
     assert main(argv) == 0
@@ -159,7 +160,8 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     assert out["acceptance"] == "curve:0.5,0.25,0.12" and out["tuned_acceptance"] == "curve:0.8,0.6,0.45"
     arms = [r["arm"] for r in out["rows"] if r["concurrency"] == 1]
     assert arms == ["plain", "fixed:1", "fixed:2", "fixed:3", "auto"]  # max_k 3: every fixed K
-    assert len(loads) == 2 + 2 * 2  # the table (cli, whatif), then a fresh planner per auto run (2 seeds x 2 c)
+    # the table read once; a fresh planner of it for whatif, then one per auto run (2 seeds x 2 c)
+    assert len(loads) == 1 and len(fresh) == 1 + 2 * 2 and len({id(p) for p in fresh}) == 1
     for r in out["rows"]:
         assert r["goodput_tok_s"] > 0 and r["itl_p50_ms"] <= r["itl_p99_ms"]
         assert (r["ratio_vs_best_other"] is not None) == (r["arm"] == "auto")
@@ -174,11 +176,12 @@ def test_simulate_json_rows_and_default_arms(tmp_path, capsys, monkeypatch):
     assert "served: drift: curve:0.9,0.8 -> curve:0.3,0.1" in text and "auto" in text
     # the bench's protocol: one planner, trained first, serves both seeds; shorter requests
     loads.clear()
+    fresh.clear()
     assert main(["simulate", str(policy), "--acceptance", "curve:0.5,0.25,0.12", "--concurrency", "4",
                  "--arms", "fixed:1,auto", "--requests", "8", "--repeats", "2", "--decode-tokens", "16",
                  "--shared-planner", "--json"]) == 0
     shared = json.loads(capsys.readouterr().out)
-    assert len(loads) == 2 + 1  # the table (cli, whatif), then the one trained planner
+    assert len(loads) == 1 and len(fresh) == 1 + 1  # the table; whatif's fresh planner, then the one trained
     fixed = next(r for r in shared["rows"] if r["arm"] == "fixed:1")
     long = next(r for r in out["rows"] if r["arm"] == "fixed:1" and r["concurrency"] == 4)
     assert fixed["goodput_tok_s"] > 0 and fixed != long

@@ -124,8 +124,9 @@ def confirm_policy(table: Table, acceptance: AcceptanceModel, concurrencies: lis
     """Simulate the policy (through the real Planner), plain and every fixed K at each concurrency."""
     cost = cost_model(table)
     out = []
+    built = Planner(table)
     for b in concurrencies:
-        planner = Planner(table)
+        planner = built.fresh()
         pol = simulate(cost, acceptance, planner, concurrency=b, steps=steps, seed=seed)
         fixed = {k: simulate(cost, acceptance, FixedK(k), concurrency=b, steps=steps, seed=seed)
                  for k in range(table.workload.max_k + 1)}

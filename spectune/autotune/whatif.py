@@ -334,7 +334,7 @@ def compare_open(table: Any, acceptance: str, concurrency: Sequence[int], *, dri
     second = load_acceptance(drift, max_k=table.workload.max_k) if drift else None
     arms: list[tuple[str, Callable[[], Any]]] = [("plain", lambda: FixedK(0))]
     arms += [(f"fixed:{k}", functools.partial(FixedK, k)) for k in fixed]
-    arms.append(("auto", lambda: Planner(table)))
+    arms.append(("auto", Planner(table).fresh))  # (the lookup built once, a fresh state per run)
     rows = []
     for c in concurrency:
         n_steps = steps_batch1 if c == 1 and steps_batch1 else steps

@@ -365,9 +365,7 @@ def predict(setup: Setup, served: Served, arm: str, concurrency: int, n_requests
     def make_policy() -> Any:
         if k is not None:
             return FixedPolicy(k, setup.engine.tiers)
-        planner = Planner(setup.planner.table)
-        planner.ride_aware = setup.planner.ride_aware
-        return planner
+        return setup.planner.fresh()  # (its ride_aware too)
 
     engine = setup.engine
     prompt_len = len(setup.requests[0].prompt)

@@ -331,6 +331,30 @@ def test_reset_online_returns_to_the_table():
     assert not p.choices() and p.plan(8).k == 4 and p.rates == p.prior
 
 
+def test_fresh_serves_as_a_planner_built_anew_and_keeps_its_state_apart():
+    table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=TIERS_WIDE, min_k=0)
+    used = Planner(table)
+    used.ride_aware = False
+    run(used, 8, 0.02, 500)  # a used planner: choices and timings of its own
+    for b, ms in ((8, 9.0), (3, 7.0)):
+        used.observe_time(b, used.plan(b), ms)
+    assert used.choices()
+    fresh, anew = used.fresh(), Planner(table)
+    assert not fresh.choices() and fresh.rates == fresh.prior and fresh.ride_aware is False
+    rng = random.Random(3)
+    for _ in range(400):  # the same traffic (a shift half way, step times off the model) to both
+        b = rng.choice((1, 2, 5, 8, 12, 16))
+        rate = 0.85 if _ < 200 else 0.1
+        plans = [p.plan(b) for p in (fresh, anew)]
+        assert plans[0] == plans[1]
+        for p in (fresh, anew):
+            p.observe(*counters(plans[0], b, rate))
+            p.observe_time(b, plans[0], p._model_ms[b][plans[0]] * (1.1 if plans[0].k % 2 else 0.95))
+    assert fresh.snapshot_online() == anew.snapshot_online() and fresh.choices() == anew.choices()
+    assert used.snapshot_online() != fresh.snapshot_online()  # the used planner's own state kept apart
+    assert used.rates != fresh.rates and used.choices() != fresh.choices()
+
+
 def test_candidates_have_step_times_of_their_own_shape():
     p = Planner(make_table(tiers=TIERS_WIDE, min_k=0))
     for b in range(1, 17):
