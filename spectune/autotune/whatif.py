@@ -176,12 +176,21 @@ def predict_arm(cost: CostModel, acceptance: AcceptanceModel, make_policy: Calla
 def best_fixed_k(cost: CostModel, acceptance: AcceptanceModel, max_k: int, *, tiers: Sequence[int] | None = None,
                  **workload: Any) -> int:
     """The fixed K in 1..max_k with the highest predicted goodput (``predict_arm``'s workload)."""
-    def goodput(k: int) -> float:
-        fixed = FixedK(k) if tiers is None else FixedPolicy(k, tuple(sorted(tiers)))
-        return predict_arm(cost, acceptance, lambda: fixed, **workload).goodput_tok_s or 0.0
+    return _best(fixed_k_predictions(cost, acceptance, max_k, tiers=tiers, **workload))
 
-    scores = {k: goodput(k) for k in range(1, max(1, max_k) + 1)}
-    return max(scores, key=lambda k: scores[k])
+
+def fixed_k_predictions(cost: CostModel, acceptance: AcceptanceModel, max_k: int, *,
+                        tiers: Sequence[int] | None = None, **workload: Any) -> dict[int, Predicted]:
+    """``predict_arm`` of every fixed K in 1..max_k (``best_fixed_k``'s scan, kept whole)."""
+    def predicted(k: int) -> Predicted:
+        fixed = FixedK(k) if tiers is None else FixedPolicy(k, tuple(sorted(tiers)))
+        return predict_arm(cost, acceptance, lambda: fixed, **workload)
+
+    return {k: predicted(k) for k in range(1, max(1, max_k) + 1)}
+
+
+def _best(fixed: dict[int, Predicted]) -> int:
+    return max(fixed, key=lambda k: fixed[k].goodput_tok_s or 0.0)
 
 
 def tuned_prior(table: Any) -> list[float] | None:
@@ -239,10 +248,13 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                     context_len=planner.cost.context_len, drift=what.drift, prior=prior,
                     seeds=range(what.seed, what.seed + what.repeats))
         prefill = prefill_ms(served, what.prompt_len) if what.prompt_len is not None else None
-        best = best_fixed_k(served, what.acceptance, max_k, **work)
+        fixed = fixed_k_predictions(served, what.acceptance, max_k, **work)
+        best = _best(fixed)
         chosen = arms if arms is not None else default_arms(max_k, best)
         here = []
         trained = _trained_planner(what, served, work) if what.shared else None
+        # a fixed arm's run is the scan's where the arms run as it does (no prefill, no host lag)
+        scanned = fixed if prefill is None and what.ride is None and not what.host_lag else {}
         for arm in chosen:
             k = parse_arm(arm)
 
@@ -251,8 +263,10 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
                     return FixedK(k)
                 return trained if trained is not None else what.make_planner()
 
-            p = predict_arm(served, what.acceptance, make, prefill=prefill, ride=what.ride, host_lag=what.host_lag,
-                            **work)
+            p = scanned.get(k) if k is not None else None
+            if p is None:
+                p = predict_arm(served, what.acceptance, make, prefill=prefill, ride=what.ride,
+                                host_lag=what.host_lag, **work)
             here.append({"concurrency": c, "arm": arm, "goodput_tok_s": p.goodput_tok_s, "full_tok_s": p.full_tok_s,
                          "output_tok_s": p.output_tok_s,
                          "mean_accept_len": p.mean_accept_len, "itl_p50_ms": p.itl_p50_ms,

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 from spectune.autotune.acceptance import resolve_acceptance
 from spectune.autotune.whatif import WhatIf, predict_arm, simulate_table, tuned_prior
 from spectune.runtime.planner import load
@@ -70,3 +72,26 @@ def test_served_cost_off_the_table_is_recovered_by_measured_step_times():
     assert ratio(True, 1.4) >= 0.98
     on, off = ratio(True, 2.5), ratio(False, 2.5)
     assert on > off + 0.02, (on, off)
+
+
+def test_a_fixed_arm_is_the_best_k_scans_own_run_and_is_not_run_again(tmp_path, monkeypatch):
+    import spectune.autotune.whatif as whatif
+
+    path = write_policy(tmp_path / "p.yaml")
+    what = _what(path, False, [])
+    calls = []
+    real = whatif.predict_arm
+    monkeypatch.setattr(whatif, "predict_arm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    rows = simulate_table(what, [4], ["plain", "fixed:1", "fixed:2", "fixed:3", "auto"])["rows"]
+    assert len(calls) == 3 + 2  # the scan of K 1..3, then plain and auto: no fixed arm twice
+    planner = load(path, on_gpu_mismatch="ignore")
+    work = dict(concurrency=4, requests=12, decode_tokens=15, context_len=planner.cost.context_len,
+                drift=what.drift, prior=tuned_prior(planner.table), seeds=range(3))
+    for k in (1, 2, 3):  # each row as its own run would give it
+        want = real(planner.cost, what.acceptance, lambda k=k: whatif.FixedK(k), **work)
+        row = next(r for r in rows if r["arm"] == f"fixed:{k}")
+        assert (row["goodput_tok_s"], row["full_tok_s"], row["k_hist"]) == (
+            want.goodput_tok_s, want.full_tok_s, {str(k): n for k, n in want.k_hist.items()})
+    calls.clear()
+    simulate_table(replace(what, host_lag=True), [4], ["fixed:1"])  # arms that run otherwise: run
+    assert len(calls) == 3 + 1 and calls[-1]["host_lag"] is True
