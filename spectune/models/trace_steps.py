@@ -57,7 +57,9 @@ class RequestSteps:
         a = self.accepted.astype(np.int64)
         lengths = a + 1
         start = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return np.repeat(a, lengths) - (np.arange(int(lengths.sum())) - start)
+        out = np.repeat(a, lengths) - (np.arange(int(lengths.sum())) - start)
+        out.flags.writeable = False  # (shared by every replay of the request)
+        return out
 
     @property
     def right(self) -> np.ndarray:

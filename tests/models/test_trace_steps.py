@@ -47,7 +47,9 @@ def test_runs_count_the_right_drafts_left_at_each_output_index():
     # a: step 0 accepted 2 (indices 0, 1, 2 have 2, 1, 0 left), step 1 accepted 0 (index 3: 0)
     assert a.runs.tolist() == [2, 1, 0, 0]
     assert b.runs.tolist() == [0, 2, 1, 0]
-    assert a.runs is a.runs  # made once per request
+    assert a.runs is a.runs  # made once per request, and shared: read-only
+    with pytest.raises(ValueError):
+        a.runs[0] = 9
     rng = np.random.default_rng(7)
     for _ in range(5):  # against the step-by-step definition on fresh random steps
         acc = rng.integers(0, 5, size=int(rng.integers(1, 30)))
