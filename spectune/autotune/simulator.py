@@ -222,22 +222,22 @@ class _Replay:
 
     runs: list[np.ndarray]  # per recorded request [T]: right drafts left at each output index
     order: np.ndarray  # [N] seeded permutation of the recorded requests
+    lengths: list[int]  # per recorded request: T (``played``'s input)
     rows: dict[int, np.ndarray] = field(default_factory=dict)  # request id -> runs over its output
 
     @classmethod
     def of(cls, steps: Sequence[Any], seed: int) -> _Replay:
         runs = [r.runs for r in steps]  # (made once per recorded request, kept by the model)
-        return cls(runs, np.random.default_rng([seed, _STREAM_REPLAY]).permutation(len(runs)))
+        return cls(runs, np.random.default_rng([seed, _STREAM_REPLAY]).permutation(len(runs)), [len(r) for r in runs])
 
     def run_at(self, req: np.ndarray, made: np.ndarray) -> np.ndarray:
         """[b] right drafts from output index ``made`` on, for requests ``req``."""
         out = np.empty(len(req), np.int64)
-        lengths = None
         for j, (i, n) in enumerate(zip(req.tolist(), made.tolist(), strict=True)):
             row = self.rows.get(i)
-            if row is None or len(row) <= n:
-                lengths = lengths or [len(r) for r in self.runs]
-                row = self.rows[i] = np.concatenate([self.runs[r] for r in played(lengths, self.order, i, n + 1)])
+            if row is None or len(row) <= n:  # (rebuilt at least twice as long: a few times a request)
+                need = max(n + 1, 2 * len(row)) if row is not None else n + 1
+                row = self.rows[i] = np.concatenate([self.runs[r] for r in played(self.lengths, self.order, i, need)])
             out[j] = row[n]
         return out
 
