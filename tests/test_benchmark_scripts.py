@@ -887,3 +887,32 @@ def test_declined_drafts_reads_measured_full_load_ratios_to_plain(tmp_path):
     assert mod.measured_ratios([str(a), str(b)]) == {(16, "fixed:1"): pytest.approx(1.15)}
     with pytest.raises(SystemExit):
         mod.main(["p.yaml", "--trace", "t.jsonl", "--concurrency", "1,16", "--requests", "1,2,3"])
+
+
+def test_sim_planner_files_runs_each_planner_against_one_set_of_fixed_arms(tmp_path, capsys):
+    """``sim_planner_files.py``: the fixed arms of a (table, source, c) are run once and cached; a
+    planner file and its copy read the same; a changed planner reads otherwise; bad names: exit 2."""
+    import spectune.runtime.planner as planner
+
+    mod = load("sim_planner_files")
+    src = Path(planner.__file__).read_text()
+    same, changed = tmp_path / "same.py", tmp_path / "changed.py"
+    same.write_text(src)
+    assert "SHRINK = 32.0" in src
+    changed.write_text(src.replace("SHRINK = 32.0", "SHRINK = 8.0", 1))  # an estimate nearer its counts
+    cache, out = tmp_path / "cache", tmp_path / "out.json"
+    args = ["--tables", "qwen3-8b_eagle-1l.ctx320", "--sources", "mtbench-ngram", "--concurrency", "1",
+            "--repeats", "1", "--workers", "1", "--cache", str(cache)]
+    assert mod.main([*args, "--planners", f"{same},{planner.__file__}", "--out", str(out)]) == 0
+    assert len(list(cache.iterdir())) == 1  # plain and every fixed K of the cell, run once
+    row, = json.loads(out.read_text())["rows"]
+    a, b = row["auto"][str(same)], row["auto"][planner.__file__]
+    assert a == b and 0.9 < a["full_ratio_vs_best_other"] < 1.1 and sum(a["k_hist"].values()) > 0
+    assert mod.main([*args, "--planners", str(changed), "--out", str(out)]) == 0
+    assert len(list(cache.iterdir())) == 1  # the cached arms served the second call
+    c = json.loads(out.read_text())["rows"][0]["auto"][str(changed)]
+    assert c["k_hist"] != a["k_hist"]
+    capsys.readouterr()
+    assert mod.main([*args, "--planners", str(same), "--sources", "no-such-source"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-source" in err and err.count("\n") == 1

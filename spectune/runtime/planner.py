@@ -90,17 +90,25 @@ measures neither). Trials: a shape of another K within ``TRIAL_GAP`` of the choi
 estimate; from a drafting choice once the choice has ``REGIME_SHRINK`` drafts of its own counts,
 from a plain one at once: its tokens are the batch, and its K = 1 probes start where plain left the
 requests, so they measure K = 1 low) whose own counts are missing, or whose gain is unresolved (it could beat the margin
-within z * sqrt(u_K^2 + u_choice^2)), runs ``TRIAL_STEPS`` steps in a row, as often as what it
-loses allows (every TRIAL_STEPS * loss / (``TRIAL_COST`` * margin) steps, so trials cost at most
-that fraction of the margin). The decision right after a trial takes the tried K if it scores at
+within z * sqrt(u_K^2 + u_choice^2)), runs a block of ``TRIAL_STEPS`` steps in a row (longer below
+batch 10, below), as often as what it loses allows (every block length * loss / (``TRIAL_COST`` *
+margin) steps, so trials cost at most that fraction of the margin). The decision right after a trial takes the tried K if it scores at
 least the choice: its tokens were measured in a block of their own, the choice's are a prediction
 (a wrong move is a close call, and the old choice is tried in turn). Page's test compares a block
 of a K with counts of its own against those counts, so moving between K's is no shift. Where
 acceptance does not depend on K, each K's counts agree with the pooled ones (c_K ~ 1) and a trial
-confirms the model at a cost below TRIAL_COST * margin. Trials, the corrections c_K and the rule that a K with
-counts of its own is not probed hold where one block tests at least ``TRIAL_DRAFTS`` first drafts: at
-batch 1 a block measures a handful of drafts, and probes explore there as before (with trials at
-batch 1 the tuned curve fell to 0.981 of the best fixed K in tests/autotune/test_heldout.py).
+confirms the model at a cost below TRIAL_COST * margin. A trial block tests at least
+``TRIAL_DRAFTS`` first drafts: TRIAL_STEPS steps from batch 10, as many as test that many below it
+(batch 1: 130 steps; a 16-step block there measured a handful of drafts, and trials of that length
+took the tuned curve to 0.981 of the best fixed K in tests/autotune/test_heldout.py). Below batch
+10, where no block of TRIAL_STEPS measures a K, three rules keep noise out: the decisions of a
+batch size wait for its trial's end (at batch 1 a trial of K = 8 read c_K = 1.067 on its first 24
+drafts and moved the choice to it), a correction counts only from TRIAL_DRAFTS first drafts of the
+K's own (a few drafts of a deep K compound their noise over its positions and held a climbing
+choice at K = 8 where K = 10 is best), and a K with counts of its own is still probed (probes climb
+K a step at a time there; a trial of 130 steps would climb it slowly). Simulated at c = 1 over the
+five shipped H200 tables: trace sets +0.0..+1.4 %, the curves and the tuned acceptance level
+(docs/BENCHMARKS.md section 6, "Trials below batch 10").
 
 A change detector compares a fast window (``change_window`` steps) with the estimate:
     D = (A_fast - sum_i T_fast_i a_i) / sqrt(sum_i T_fast_i a_i (1 - a_i))
@@ -182,7 +190,7 @@ REGIME_CLIP = 0.1  # a K's measured correction of the pooled model stays within 
 TRIAL_GAP = 0.05  # a shape of another K this close to the choice (point estimate) is a close call
 TRIAL_STEPS = 16  # ... and is run for this many steps in a row when its K has no counts of its own
 TRIAL_COST = 0.25  # trials cost at most this fraction of the margin (point estimate)
-TRIAL_DRAFTS = 4 * REGIME_SHRINK  # trials run where one block tests at least this many first drafts
+TRIAL_DRAFTS = 4 * REGIME_SHRINK  # a trial block tests at least this many first drafts (longer below batch 10)
 RIDE_MIN_K = 0  # the smallest K a riding step may run (``plan_ride``; 0: plain decoding)
 TIME_PRIOR = 4.0  # pseudo-steps at the all-shapes ratio in one shape's measured-time ratio
 TIME_WINDOW = 64.0  # steps one shape's (and the all-shapes) time ratio averages over, at most
@@ -374,9 +382,11 @@ class Planner:
         # (plan, model ms, q, r of the budget over b (q capped at max_k), K, calibration factor)
         self._loop: list[list[tuple[Plan, float, int, int, int, float]]] = [[] for _ in range(self.max_batch + 1)]
         self._blind: list[Plan | None] = [None] * (self.max_batch + 1)  # K = 1 at its full budget
+        # a trial block's steps at batch b: TRIAL_STEPS, or as many as test TRIAL_DRAFTS first drafts
+        self._trial_steps = [TRIAL_STEPS] + [max(TRIAL_STEPS, REGIME_SETTLE + math.ceil(TRIAL_DRAFTS / b))
+                                             for b in range(1, self.max_batch + 1)]
         # batch sizes above the table's range: (drafting step ms, plain step ms, plain tier)
         self._outside_ms: dict[tuple[int, int, int], tuple[float, float, int]] = {}
-        self._no_corr = [NO_CORR] * (self.k_hi + 1)
         prior_sums = _survival_sums(self.prior)[1]
         for row in self.policy.rows:
             lo, hi = row.batch
@@ -887,6 +897,8 @@ class Planner:
             return
         s.decided_at[b], s.decided_v[b], s.due[b] = s.steps, s.version, math.inf  # (``_stale``: a version
         # not checked at this fold is the one before it; where a check bumps it, b is decided again)
+        if s.trial[b] is not None and self._trial_steps[b] > TRIAL_STEPS:
+            return  # a long trial (below batch 10) is judged at its end, not on its first few drafts
         cur = s.choice[b]
         cur_ms = self._cand_ms[b].get(cur)
         if cur_ms is None:
@@ -903,12 +915,13 @@ class Planner:
         # shape already reaches (they count alike in both shapes' tokens), the lower bounds beyond
         depth = -(-cur.verify_budget // b)
         sums = [self._sums(min(depth, self.k_hi)), self._sums(-1), self._sums(-2)]
-        # a trial must be able to measure its K: at a small batch its block holds a few drafts,
-        # and probes (one step at a time) explore there as before; nor does a K's own correction
-        # hold there (a few drafts per block: at batch 1 it cost HumanEval n-gram 0.993 -> 0.971
+        # each K's correction from its own counts (``_regimes``); where one block of TRIAL_STEPS
+        # does not measure a K (``wide`` false: its trials run longer), only from TRIAL_DRAFTS
+        # first drafts of its own (fewer, applied at batch 1, cost HumanEval n-gram 0.993 -> 0.971
         # of the best fixed K under the bench's protocol)
-        trials = b * (TRIAL_STEPS - REGIME_SETTLE) >= TRIAL_DRAFTS and self.online.probe_every > 0
-        corr = s.corr if trials else self._no_corr  # each K's correction from its own counts (``_regimes``)
+        trials = self.online.probe_every > 0
+        wide = b * (TRIAL_STEPS - REGIME_SETTLE) >= TRIAL_DRAFTS
+        corr = s.corr if wide else [x if x[2] >= TRIAL_DRAFTS else (1.0, x[1], x[2]) for x in s.corr]
         c_cur, u_cur, n_cur = corr[cur.k]
         cur_fac = self._fac[b][cur] * c_cur
         tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]
@@ -944,7 +957,7 @@ class Planner:
                     ms *= f_t
             c, u, n_k = corr[k]
             c *= f_p
-            if k and k <= probe_k and (n_k < REGIME_SHRINK or k == cur_k or not trials):
+            if k and k <= probe_k and (n_k < REGIME_SHRINK or k == cur_k or not wide):
                 t_hi = (b + b * S_hi[q] + r * s_hi[q + 1]) * c
                 if t_hi > probe_g * ms:
                     # optimistic: best under the upper bounds (a K measured in a block of its own is
@@ -989,9 +1002,10 @@ class Planner:
             # low where acceptance depends on K (MT-Bench n-gram at batch 16: a1 0.08-0.12 from
             # probes, 0.15 in runs of K = 1; auto stayed plain for ~100 steps where K = 1 is best)
             loss = 1.0 - trial_g * cur_ms / tok_cur[1]
-            wait = TRIAL_STEPS * loss / (TRIAL_COST * max(self.online.margin, 1e-3)) if loss > 0.0 else 0.0
+            steps = self._trial_steps[b]
+            wait = steps * loss / (TRIAL_COST * max(self.online.margin, 1e-3)) if loss > 0.0 else 0.0
             if s.steps - s.trial_at[b] >= wait:
-                s.trial[b], s.trial_left[b], s.trial_at[b] = trial, TRIAL_STEPS, s.steps
+                s.trial[b], s.trial_left[b], s.trial_at[b] = trial, steps, s.steps
                 s.trials += 1
             else:  # (``_stale``: the step from which this decision would start the trial)
                 s.due[b] = s.trial_at[b] + wait

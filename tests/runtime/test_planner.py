@@ -208,8 +208,10 @@ def test_collapse_reaches_k0_and_probes_bring_it_back():
     assert p._s.choice[8].k == 0  # drafting cannot pay at 2 % acceptance (the plan may be a probe)
     probes = p.probes
     assert 0 < probes < 1000 / 8  # K = 0 still probes, now and then (cheap probes more often) ...
+    # ... or, below batch 10, runs a trial block of K = 1 (a long one: 18 steps at batch 8) ...
+    assert p._s.probe[8] is not None or p._s.trial[8] is not None
     high = run(p, 8, 0.95, 600)
-    assert high.k >= 4 and p.probes > probes  # ... and leaves K = 0 when acceptance returns
+    assert high.k >= 4 and p.changes >= 1  # ... and leaves K = 0 when acceptance returns
     assert high.tier is not None and 8 + high.verify_budget <= high.tier
 
 
@@ -471,9 +473,23 @@ def test_probes_stay_rare_where_they_cost_and_cannot_gain():
     table = falling_prior_table()
     p = Planner(table)
     n = 2000
-    got = run(p, 4, 0.3, n)
-    assert _goodput_ratio(p, 4, 0.3, got) >= 0.99
+    got = run(p, 4, 0.2, n)  # (K = 1 best, K = 2 4 % behind)
+    assert _goodput_ratio(p, 4, 0.2, got) >= 0.99
     assert p.probes <= n / table.policy.online.probe_every + 2
+
+
+def test_below_batch_10_a_trial_finds_a_k_the_probes_leave():
+    """Batch 4, acceptance 0.3: the table's K = 2 is 0.991 of K = 1. A probe is a step of a deeper
+    K, so from K = 2 none tests K = 1, and one 16-step trial block would test 56 first drafts. A
+    block long enough to test TRIAL_DRAFTS of them (34 steps) measures K = 1, and the choice moves
+    to it."""
+    from spectune.runtime.planner import TRIAL_DRAFTS
+
+    p = Planner(falling_prior_table())
+    assert p.choice(4).k == 2 and p._trial_steps[4] == 34 and TRIAL_DRAFTS <= 4 * (34 - 2)
+    run(p, 4, 0.3, 2000)
+    assert p.trials > 0 and p.choice(4) == best_plan(p, 4, 0.3) and best_plan(p, 4, 0.3).k == 1
+    assert _goodput_ratio(p, 4, 0.3, Plan(2, 8, 12)) < 0.992
 
 
 def settled_at_0_9(steps: int) -> Planner:
@@ -714,7 +730,9 @@ def test_inside_a_block_the_test_waits_for_a_block_of_first_drafts():
     for batch, ends in ((1, False), (16, True)):
         rng = random.Random(4)
         p = Planner(make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 4, 64)], tiers=TIERS_WIDE, min_k=0))
-        while p._s.steps < 400 or p._s.steps - p._s.folded != 1:
+        while p._s.steps < 400 or p._s.steps - p._s.folded != 0 or p._s.trial[batch] is not None \
+                or p._s.run_len <= 8:  # (a settled run of the choice, no trial block: at batch 1 one runs 130
+            # steps; a block just folded, so the step of rejections below is the block so far)
             plan = p.plan(batch)
             p.observe(*noisy_counters(plan, batch, 0.9, rng))
         assert p.changes == 0 and p.plan(batch).k > 0
@@ -878,10 +896,13 @@ def test_a_riding_step_is_chosen_again_after_a_new_estimate():
     b = 4
     before = p.plan_ride(b, 64)
     assert before.k == 3 and p.plan(b).k == 4  # the premise at the prior
-    # every draft accepted for a while: deeper drafts pay even past the knee
-    for _ in range(4 * p.online.decide_every):
+    # every draft accepted for a while: deeper drafts pay even past the knee (and past a trial
+    # block of another K: a riding step of a trial is its K's, ``brute_ride`` holds the choice's)
+    steps = 0
+    while steps < 4 * p.online.decide_every or p._s.trial[b] is not None or p._s.probe[b] is not None:
         p.plan(b)
         p.observe([4.0] * 6, [4.0] * 6)
+        steps += 1
     after = p.plan_ride(b, 64)
     assert after == brute_ride(p, b, 64)
     assert after.k > before.k
