@@ -769,7 +769,9 @@ def test_sim_host_lag_replays_a_stored_h200_run_with_and_without_the_lag(tmp_pat
     assert {r["file"] for r in res["rows"]} == {tuned.name}  # the trace replay: skipped
     stored = {(r["concurrency"], r["arm"]): r["predicted_tok_s"] for r in json.loads(tuned.read_text())["rows"]}
     for r in res["rows"]:
-        assert r["predicted_tok_s"] == pytest.approx(stored[(r["concurrency"], r["arm"])])
+        # (auto's prediction is its planner's: a later controller change moves it a little)
+        rel = 0.01 if r["arm"] == "auto" else 1e-6
+        assert r["predicted_tok_s"] == pytest.approx(stored[(r["concurrency"], r["arm"])], rel=rel)
         if r["arm"] == "plain":  # one token a step: no idle row, no change
             assert r["idle_rows"] == r["idle_rows_simulated"] == 0
             assert r["predicted_host_lag_tok_s"] == pytest.approx(r["predicted_tok_s"])
