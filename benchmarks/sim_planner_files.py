@@ -25,10 +25,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_trace import planner_at  # noqa: E402
+from sim_tables import served_models  # noqa: E402
 
-from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance  # noqa: E402
 from spectune.autotune.simulator import FixedK  # noqa: E402
-from spectune.autotune.whatif import fixed_k_predictions, heldout_sources, predict_arm, tuned_prior  # noqa: E402
+from spectune.autotune.whatif import (  # noqa: E402
+    WhatIf,
+    arm_workload,
+    fixed_k_predictions,
+    heldout_sources,
+    predict_arm,
+    tuned_prior,
+)
 from spectune.io import atomic_write_text  # noqa: E402
 from spectune.runtime.planner import load  # noqa: E402
 
@@ -37,21 +44,22 @@ TABLES = ("qwen3-8b_eagle-1l.ctx320", "qwen3-8b_eagle-1l.fused.ctx320", "qwen3-8
           "llama-3.1-8b_eagle-1l.ctx320", "qwen3-32b_eagle-1l.ctx320")
 SOURCES = ("humaneval-ngram", "mtbench-ngram", "humaneval-suffix", "mtbench-suffix", "high-0.9", "low-0.55",
            "drift", "tuned")
+_MODULES: dict[str, Any] = {}  # planner modules of this process, by name (a revision's is a ``git show``)
+
+
+def planner_module(name: str) -> Any:
+    if name not in _MODULES:
+        _MODULES[name] = planner_at("", Path(name)) if Path(name).is_file() else planner_at(name)
+    return _MODULES[name]
 
 
 def cell(job: tuple[str, str, int, tuple[str, ...], int, str]) -> dict[str, Any]:
     table, source, c, planners, repeats, cache = job
     path = PROFILES / f"nvidia-h200_{table}.policy.yaml"
     base = load(path, on_gpu_mismatch="ignore")
-    if source == "tuned":
-        model, late = AcceptanceModel.from_dict(base.table.acceptance).widened(base.k_hi), None
-    else:
-        first, second = heldout_sources()[source]
-        model = resolve_acceptance(first, base.k_hi)
-        late = resolve_acceptance(second, base.k_hi) if second else None
-    work = dict(concurrency=c, requests=min(1024, max(64, 8 * c)), decode_tokens=127,
-                context_len=base.cost.context_len, drift=late, prior=tuned_prior(base.table), seeds=range(repeats))
-    key = Path(cache) / (hashlib.sha1(f"{path.read_bytes().hex()}|{source}|{c}|{repeats}".encode()).hexdigest() + ".pkl")
+    model, late = served_models(source, base)
+    work = arm_workload(WhatIf(base.fresh, model, late, repeats=repeats), c, base.cost.context_len, tuned_prior(base.table))
+    key = Path(cache) / (hashlib.sha1(path.read_bytes() + f"|{source}|{c}|{repeats}".encode()).hexdigest() + ".pkl")
     if key.exists():
         others = pickle.loads(key.read_bytes())
     else:
@@ -65,8 +73,7 @@ def cell(job: tuple[str, str, int, tuple[str, ...], int, str]) -> dict[str, Any]
     row: dict[str, Any] = {"table": table, "source": source, "concurrency": c,
                            "best_arm": max(others, key=lambda k: others[k][0]), "auto": {}}
     for name in planners:
-        module = planner_at(name) if not Path(name).is_file() else planner_at("", Path(name))
-        planner = module.load(path, on_gpu_mismatch="ignore")
+        planner = planner_module(name).load(path, on_gpu_mismatch="ignore")
         p = predict_arm(base.cost, model, planner.fresh, **work)
         row["auto"][name] = {"ratio_vs_best_other": p.goodput_tok_s / best, "full_ratio_vs_best_other": p.full_tok_s / best_full,
                              "k_hist": {str(k): n for k, n in sorted(p.k_hist.items())}}

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import sys
 import time
+from typing import Any
 
 from spectune.autotune.acceptance import AcceptanceModel, resolve_acceptance
 from spectune.autotune.whatif import WhatIf, heldout_sources, served_cost_of, simulate_table
@@ -36,6 +37,15 @@ from spectune.io import atomic_write_text
 from spectune.runtime.planner import load
 
 SOURCES = ("humaneval-ngram", "mtbench-ngram", "humaneval-suffix", "mtbench-suffix", "high-0.9", "low-0.55", "drift")
+
+
+def served_models(name: str, planner: Any) -> tuple[AcceptanceModel, AcceptanceModel | None]:
+    """(acceptance, drift or None) of a held-out source name, or of ``tuned``: the table's own
+    acceptance, as `spectune bench` serves it by default."""
+    if name == "tuned":
+        return AcceptanceModel.from_dict(planner.table.acceptance).widened(planner.k_hi), None
+    first, second = heldout_sources()[name]
+    return resolve_acceptance(first, planner.k_hi), resolve_acceptance(second, planner.k_hi) if second else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rows = []
     for name in names:
-        if name == "tuned":  # the table's own acceptance, as `spectune bench` serves it by default
-            model, late = AcceptanceModel.from_dict(planner.table.acceptance).widened(planner.k_hi), None
-        else:
-            first, second = known[name]
-            model = resolve_acceptance(first, planner.k_hi)
-            late = resolve_acceptance(second, planner.k_hi) if second else None
+        model, late = served_models(name, planner)
         what = WhatIf(planner.fresh, model, late,
                       decode_tokens=a.decode_tokens, repeats=a.repeats, shared=a.shared_planner,
                       served_cost=served, host_lag=a.host_lag)

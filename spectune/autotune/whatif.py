@@ -244,9 +244,7 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
     served = what.served_cost if what.served_cost is not None else planner.cost
     rows: list[dict[str, Any]] = []
     for c in concurrency:
-        work = dict(concurrency=c, requests=what.requests(c), decode_tokens=what.decode_tokens,
-                    context_len=planner.cost.context_len, drift=what.drift, prior=prior,
-                    seeds=range(what.seed, what.seed + what.repeats))
+        work = arm_workload(what, c, planner.cost.context_len, prior)
         prefill = prefill_ms(served, what.prompt_len) if what.prompt_len is not None else None
         fixed = fixed_k_predictions(served, what.acceptance, max_k, **work)
         best = _best(fixed)
@@ -284,6 +282,12 @@ def simulate_table(what: WhatIf, concurrency: Sequence[int], arms: Sequence[str]
             "mixed_prefill": None if what.ride is None else {"budget": what.ride.budget,
                                                              "ride_limit": what.ride.ride_limit,
                                                              "admit_ahead": what.ride.ahead}}
+
+
+def arm_workload(what: WhatIf, concurrency: int, context_len: int, prior: list[float] | None) -> dict[str, Any]:
+    """``predict_arm``'s workload keywords of one concurrency of ``what`` (``simulate_table``'s runs)."""
+    return dict(concurrency=concurrency, requests=what.requests(concurrency), decode_tokens=what.decode_tokens,
+                context_len=context_len, drift=what.drift, prior=prior, seeds=range(what.seed, what.seed + what.repeats))
 
 
 def _trained_planner(what: WhatIf, cost: CostModel, work: dict[str, Any]) -> Any:
