@@ -693,6 +693,8 @@ class Planner:
             return None
         self._page()
         block = (s.pa, s.pt)
+        if self._page_fired():  # a change (``_changed``): ``observe`` estimates afresh from the block
+            return block  # alone (``_reset_estimate``), so folding it into the old counts would be lost work
         g, gf = self._keep ** m, self._keep_fast ** m
         s.A = [g * x + p for x, p in zip(s.A, s.pa, strict=True)]
         s.T = [g * x + p for x, p in zip(s.T, s.pt, strict=True)]
@@ -741,6 +743,11 @@ class Planner:
         if d is not None:
             s.rise = max(0.0, s.rise + d - CUSUM_SLACK)
             s.fall = max(0.0, s.fall - d - CUSUM_SLACK)
+
+    def _page_fired(self) -> bool:
+        """Whether Page's test of the blocks folded so far (``_page``) signals a change."""
+        s = self._s
+        return max(s.rise, s.fall) > CUSUM_LIMIT or s.block_fires
 
     def _page_fires(self) -> bool:
         """Whether the block so far, ended now, would carry Page's test past its limit."""
@@ -840,8 +847,8 @@ class Planner:
         (requests differ, and a few requests in the window move the estimate more than binomial
         noise would: at batch 1 the window holds only a handful of them)."""
         s = self._s
-        if max(s.rise, s.fall) > CUSUM_LIMIT or s.block_fires:
-            return True  # Page's test of the blocks (``_page``)
+        if self._page_fired():
+            return True
         e = v = 0.0
         for t, a in zip(s.Tf, s.a, strict=True):
             e += t * a
