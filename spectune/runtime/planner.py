@@ -686,7 +686,8 @@ class Planner:
     def _fold(self) -> tuple[list[float], list[float]] | None:
         """Decay the counts by the steps since the last fold and add the block's counts (a block's
         steps weigh alike: within ``decide_every`` steps the decay is at most a few per cent), then
-        re-estimate."""
+        re-estimate; a block that carries Page's test past its limit is only returned (the change
+        that follows estimates from it alone)."""
         s = self._s
         m = s.steps - s.folded
         if m <= 0:

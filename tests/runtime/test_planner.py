@@ -526,6 +526,18 @@ def test_the_block_that_shows_a_change_seeds_the_new_estimate():
     assert p.plan(8).k < 4
 
 
+def test_a_block_that_fires_the_change_is_estimated_once():
+    # Page's test passes its limit on the block that shows the shift: the reset estimates afresh
+    # from that block alone, so the fold does not also fold it into the old counts and estimate
+    p = settled_at_0_9(400)
+    estimates = []
+    estimate = p._estimate
+    p._estimate = lambda: (estimates.append(p._s.steps), estimate())  # type: ignore[method-assign]
+    serve_rates(p, 8, [0.1] * 64, stop_at_change=True)
+    assert p.changes == 1 and estimates.count(p._s.steps) == 1
+    assert p.evidence > 0 and p.rates[0] < 0.3  # (that one estimate is the new traffic's)
+
+
 def noisy_counters(plan: Plan, b: int, rate: float, rng: random.Random) -> tuple[list[float], list[float]]:
     """Sampled counters of one step: each request's granted drafts tested in order until one is
     rejected, each accepted with probability ``rate``."""
