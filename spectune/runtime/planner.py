@@ -106,7 +106,8 @@ batch size wait for its trial's end (at batch 1 a trial of K = 8 read c_K = 1.06
 drafts and moved the choice to it), a correction counts only from TRIAL_DRAFTS first drafts of the
 K's own (a few drafts of a deep K compound their noise over its positions and held a climbing
 choice at K = 8 where K = 10 is best), and a K with counts of its own is still probed (probes climb
-K a step at a time there; a trial of 130 steps would climb it slowly). Simulated at c = 1 over the
+K a step at a time there; a trial of 130 steps would climb it slowly); a plain choice runs no trial
+there (K = 1's blind probes measure it, where a 130-step trial of K = 1 cost 1 %). Simulated at c = 1 over the
 five shipped H200 tables: trace sets +0.0..+1.4 %, the curves and the tuned acceptance level
 (docs/BENCHMARKS.md section 6, "Trials below batch 10").
 
@@ -1000,7 +1001,7 @@ class Planner:
             s.choice[b] = best
             s.trial[b] = None
         elif trial is not None and trials and s.trial[b] is None and (n_cur >= REGIME_SHRINK or not cur.k) \
-                and best_lb != math.inf:
+                and best_lb != math.inf and (cur.k or wide):
             # a close call of another K without counts of its own (or one whose gain they do not
             # resolve): the pooled rates may not hold at its K, so run it for a block and let its
             # own counts correct its prediction; as often as what it loses (point estimate)
@@ -1008,7 +1009,10 @@ class Planner:
             # of its own (its tokens are the batch): without trials from it, a plain choice saw a
             # close K = 1 only through single probe steps, which measure a K = 1 run's acceptance
             # low where acceptance depends on K (MT-Bench n-gram at batch 16: a1 0.08-0.12 from
-            # probes, 0.15 in runs of K = 1; auto stayed plain for ~100 steps where K = 1 is best)
+            # probes, 0.15 in runs of K = 1; auto stayed plain for ~100 steps where K = 1 is best).
+            # Below batch 10 not from plain: a trial there is long (130 steps at batch 1) and K = 1's
+            # blind probes keep it measured (trials of K = 1 from plain at batch 1 cost MT-Bench
+            # n-gram 1 % under the bench's protocol: 0.976 -> 0.966 of plain on the H100's table)
             loss = 1.0 - trial_g * cur_ms / tok_cur[1]
             steps = self._trial_steps[b]
             wait = steps * loss / (TRIAL_COST * max(self.online.margin, 1e-3)) if loss > 0.0 else 0.0

@@ -431,6 +431,26 @@ def test_a_plain_choice_keeps_testing_k1_and_leaves_it_when_traffic_turns_easier
     assert took is not None and took < 64, took
 
 
+def test_below_batch_10_a_plain_choice_tests_k1_by_probes_not_trials():
+    """Below batch 10 a trial block is long (130 steps at batch 1): a plain choice there keeps K = 1
+    measured by its single blind probes only, and still leaves plain when the traffic turns easy."""
+    table = make_table(rows=[Row((1, 8), 4, 32), Row((9, 16), 0, 0)], tiers=TIERS_WIDE, min_k=0)
+    p = Planner(table)
+    b, low = 1, 0.02  # (K = 1 within TRIAL_GAP of plain: before, 4 trial blocks of it ran in these steps)
+    run(p, b, low, 2000)
+    assert p._s.choice[b].k == 0
+    probes, trials, ran = p.probes, p.trials, []
+    for _ in range(3000):
+        plan = p.plan(b)
+        if plan.k:
+            ran.append(plan)
+        p.observe(*counters(plan, b, low))
+    assert p.trials == trials  # (at batch 12 the same traffic runs trial blocks of K = 1: the test above)
+    assert ran and all(q.k == 1 for q in ran) and len(ran) == p.probes - probes
+    took = next((i for i in range(BLIND_WAIT * table.policy.online.probe_every * 4) if run(p, b, 0.9, 1).k), None)
+    assert took is not None
+
+
 @pytest.mark.parametrize("rate", [0.02, 0.3, 0.9])
 def test_plain_decoding_is_never_a_probe(rate):
     """A probe is run for what it measures; a K = 0 step measures nothing (a plain probe every
