@@ -447,8 +447,13 @@ def test_below_batch_10_a_plain_choice_tests_k1_by_probes_not_trials():
         p.observe(*counters(plan, b, low))
     assert p.trials == trials  # (at batch 12 the same traffic runs trial blocks of K = 1: the test above)
     assert ran and all(q.k == 1 for q in ran) and len(ran) == p.probes - probes
-    took = next((i for i in range(BLIND_WAIT * table.policy.online.probe_every * 4) if run(p, b, 0.9, 1).k), None)
-    assert took is not None
+    def easy_step() -> bool:  # the traffic turns easy: the choice leaves plain (not a probe's step)
+        plan = p.plan(b)
+        p.observe(*counters(plan, b, 0.9))
+        return p._s.choice[b].k > 0
+
+    took = next((i for i in range(BLIND_WAIT * table.policy.online.probe_every * 4) if easy_step()), None)
+    assert took is not None, "a plain choice at batch 1 never left plain on easy traffic"
 
 
 @pytest.mark.parametrize("rate", [0.02, 0.3, 0.9])
