@@ -394,6 +394,17 @@ def _goodput_ratio(p: Planner, b: int, rate: float, got: Plan) -> float:
     return g[got] / g[best_plan(p, b, rate)]
 
 
+def steps_to_leave_plain(p: Planner, b: int, rate: float, n: int) -> int | None:
+    """Steps of traffic at ``rate`` until batch b's choice (not a probe's step) leaves plain; None
+    if it has not within ``n``."""
+    for i in range(n):
+        plan = p.plan(b)
+        p.observe(*counters(plan, b, rate))
+        if p._s.choice[b].k > 0:
+            return i
+    return None
+
+
 def test_a_plain_choice_keeps_testing_k1_and_leaves_it_when_traffic_turns_easier():
     """Plain decoding tests no draft, so the estimate that chose it only ages: settled and sure at
     a low acceptance, the batch size still runs K = 1 at its full budget now and then (every
@@ -422,12 +433,7 @@ def test_a_plain_choice_keeps_testing_k1_and_leaves_it_when_traffic_turns_easier
     # (their cost is inside the bound above)
     assert p.probes - probes + TRIAL_STEPS * (p.trials - trials) == len(ran)
     # the traffic turns easy: a probe shows it, and K leaves 0
-    def easy_step() -> bool:
-        plan = p.plan(b)
-        p.observe(*counters(plan, b, 0.9))
-        return p._s.choice[b].k > 0
-
-    took = next((i for i in range(BLIND_WAIT * table.policy.online.probe_every) if easy_step()), None)
+    took = steps_to_leave_plain(p, b, 0.9, BLIND_WAIT * table.policy.online.probe_every)
     assert took is not None and took < 64, took
 
 
@@ -447,12 +453,7 @@ def test_below_batch_10_a_plain_choice_tests_k1_by_probes_not_trials():
         p.observe(*counters(plan, b, low))
     assert p.trials == trials  # (at batch 12 the same traffic runs trial blocks of K = 1: the test above)
     assert ran and all(q.k == 1 for q in ran) and len(ran) == p.probes - probes
-    def easy_step() -> bool:  # the traffic turns easy: the choice leaves plain (not a probe's step)
-        plan = p.plan(b)
-        p.observe(*counters(plan, b, 0.9))
-        return p._s.choice[b].k > 0
-
-    took = next((i for i in range(BLIND_WAIT * table.policy.online.probe_every * 4) if easy_step()), None)
+    took = steps_to_leave_plain(p, b, 0.9, BLIND_WAIT * table.policy.online.probe_every * 4)
     assert took is not None, "a plain choice at batch 1 never left plain on easy traffic"
 
 
