@@ -1000,8 +1000,8 @@ class Planner:
         if best != cur:
             s.choice[b] = best
             s.trial[b] = None
-        elif trial is not None and trials and s.trial[b] is None and (n_cur >= REGIME_SHRINK or not cur.k) \
-                and best_lb != math.inf and (cur.k or wide):
+        elif trial is not None and trials and s.trial[b] is None and best_lb != math.inf \
+                and (n_cur >= REGIME_SHRINK if cur.k else wide):
             # a close call of another K without counts of its own (or one whose gain they do not
             # resolve): the pooled rates may not hold at its K, so run it for a block and let its
             # own counts correct its prediction; as often as what it loses (point estimate)

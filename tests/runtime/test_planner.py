@@ -451,7 +451,7 @@ def test_below_batch_10_a_plain_choice_tests_k1_by_probes_not_trials():
         if plan.k:
             ran.append(plan)
         p.observe(*counters(plan, b, low))
-    assert p.trials == trials  # (at batch 12 the same traffic runs trial blocks of K = 1: the test above)
+    assert p.trials == trials  # (from batch 10 a plain choice may run trial blocks of K = 1: the test above counts them)
     assert ran and all(q.k == 1 for q in ran) and len(ran) == p.probes - probes
     took = steps_to_leave_plain(p, b, 0.9, BLIND_WAIT * table.policy.online.probe_every * 4)
     assert took is not None, "a plain choice at batch 1 never left plain on easy traffic"
