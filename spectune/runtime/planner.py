@@ -276,6 +276,7 @@ class OnlineState:
     run_len: int = 0
     ride_step: bool = False  # the last plan was a riding step's other K (``plan_ride``)
     corr: list[tuple[float, float, float]] = field(default_factory=list)
+    corr_wide: list[tuple[float, float, float]] = field(default_factory=list)  # (``_regimes``)
     trial: list[Plan | None] = field(default_factory=list)
     trial_left: list[int] = field(default_factory=list)
     trial_at: list[float] = field(default_factory=list)
@@ -842,7 +843,18 @@ class Planner:
                 h = 1.0 + rates[i] * h
             c = y_k / y_pool
             corr[k] = (lo_c if c < lo_c else hi_c if c > hi_c else c, math.sqrt(v2) / y_k, T[0] * g)
-        s.corr = corr
+        s.corr = s.corr_wide = corr
+        # from batch 10 (``_decide``'s ``wide``) each K's correction is shrunk toward the pooled
+        # model by how far the corrections of the K's with REGIME_SHRINK first drafts of their own
+        # differ beyond their errors (empirical Bayes: tau^2 = max(0, mean((c_K - 1)^2 - u_K^2)),
+        # c_K <- 1 + (c_K - 1) tau^2 / (tau^2 + u_K^2)): where acceptance does not depend on K they
+        # differ by noise alone and the choice is made on the pooled rates; where it does (n-gram
+        # spans, several u_K apart) most of each is kept
+        own = [x for x in corr if x[2] >= REGIME_SHRINK]
+        if own:
+            tau2 = sum((c - 1.0) ** 2 - u * u for c, u, _ in own) / len(own)
+            s.corr_wide = [x if not x[2] else (1.0 + (x[0] - 1.0) * tau2 / (tau2 + x[1] * x[1]), x[1], x[2])
+                           for x in corr] if tau2 > 0.0 else [x if not x[2] else (1.0, x[1], x[2]) for x in corr]
 
     def _changed(self) -> bool:
         """Change test; also learns the overdispersion ``phi`` = E[D^2] of a stationary stream
@@ -930,7 +942,7 @@ class Planner:
         # of the best fixed K under the bench's protocol)
         trials = self.online.probe_every > 0
         wide = b * (TRIAL_STEPS - REGIME_SETTLE) >= TRIAL_DRAFTS
-        corr = s.corr if wide else [x if x[2] >= TRIAL_DRAFTS else (1.0, x[1], x[2]) for x in s.corr]
+        corr = s.corr_wide if wide else [x if x[2] >= TRIAL_DRAFTS else (1.0, x[1], x[2]) for x in s.corr]
         c_cur, u_cur, n_cur = corr[cur.k]
         cur_fac = self._fac[b][cur] * c_cur
         tok_cur = [_tokens(x, b, cur.verify_budget) * cur_fac for x in sums]

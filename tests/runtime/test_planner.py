@@ -629,7 +629,9 @@ def span_planner() -> Planner:
 def test_acceptance_that_depends_on_k_is_measured_per_k():
     """At K 2 the pooled rates (a1 0.29, a2 0.6) predict K 2 3.4 % above K 1 at batch 12, but K 1 runs
     at a1 0.37 and is 2.6 % faster: a trial block of K 1 measures its own rates and the controller
-    runs K 1."""
+    runs K 1 on most steps (trials of K 2 take some: with two K's measured, their corrections are
+    shrunk toward the pooled model by ~10-20 %, ``Planner._regimes``, and K 2's predicted loss
+    is smaller)."""
     p = span_planner()
     sums = {k: _survival_sums(a)[1][k] for k, a in SPAN_RATES.items()}
     ms = {pl.k: t for pl, t in p._cands[12] if pl.verify_budget == 12 * pl.k}
@@ -637,9 +639,31 @@ def test_acceptance_that_depends_on_k_is_measured_per_k():
     pooled = _survival_sums(SPAN_RATES[2])[1]
     assert (1 + pooled[1]) / ms[1] < 0.97 * (1 + pooled[2]) / ms[2]  # ... but not by K 2's rates
     ks, goodput = serve_k_dependent(p, 12, SPAN_RATES, 600)
-    assert ks[:3] == [2, 2, 2] and ks[100:].count(1) > 0.7 * 500
+    assert ks[:3] == [2, 2, 2] and ks[100:].count(1) > 0.6 * 500
     fixed = {k: (12 + 12 * sums[k]) / ms[k] for k in (1, 2)}
     assert goodput > 0.98 * fixed[1] > fixed[2]  # K 2 is 0.975 of K 1
+    s = p._s  # the two K's corrections differ far beyond their errors (expected counts): kept
+    for k in (1, 2):
+        (c, u, _), (c_wide, _, _) = s.corr[k], s.corr_wide[k]
+        assert abs(c - 1.0) > 2.0 * u and abs(c_wide - 1.0) > 0.75 * abs(c - 1.0)
+
+
+def test_corrections_of_k_independent_acceptance_are_shrunk_to_the_pooled_model():
+    """Sampled counters of the same rate at every K: each K's own counts differ from the pooled ones
+    by noise alone, and from batch 10 the choice is made on corrections shrunk toward 1 by the
+    spread their errors explain (``Planner._regimes``)."""
+    raw, wide = [], []
+    for seed in range(4):
+        rng = random.Random(seed)
+        p = span_planner()
+        for _ in range(1500):
+            plan = p.plan(12)
+            p.observe(*noisy_counters(plan, 12, 0.6, rng))
+        own = [k for k, x in enumerate(p._s.corr) if x[2] >= 32.0]
+        assert len(own) >= 2  # trials ran other K's
+        raw += [abs(p._s.corr[k][0] - 1.0) for k in own]
+        wide += [abs(p._s.corr_wide[k][0] - 1.0) for k in own]
+    assert sum(wide) < 0.5 * sum(raw) and sum(raw) > 0.0
 
 
 def test_acceptance_independent_of_k_keeps_the_model_choice():
@@ -1089,19 +1113,24 @@ def test_a_batch_size_reached_again_keeps_its_choice_while_the_estimate_holds_st
         assert p._s.decided_at[b] == p._s.steps - cap + 1  # younger, same estimate: kept
 
 
-def test_a_batch_size_reached_again_after_the_estimate_moved_is_decided_again():
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_size_reached_again_after_the_estimate_moved_is_decided_again(seed):
     """Acceptance that falls step by step moves the estimate past its interval: each batch size
-    the walk meets once the fall has ended is decided on the new estimate (its choice within 2 %
-    of the best shape at the new rate), not kept from the old one for the cap's 128 steps."""
+    the walk meets once the fall has ended and the change test has had time to fire (a slow fall
+    fires it up to ~100 steps late, and the new estimate then needs its evidence) is decided on the
+    new estimate (its choice within 2.5 % of the best shape at the new rate; a choice kept from
+    the old rate reads ~0.90), not kept from the old one for the cap's 128 steps. (Over 12 seeds
+    a window from step 1050 and a 2 % bar failed 3 of them, before and after the corrections'
+    shrink of ``Planner._regimes``: the bar sat at the edge of the margin's own tolerance.)"""
     table = walk_table()
     p = Planner(table)
-    serve_walk(p, [0.85] * 600)
+    serve_walk(p, [0.85] * 600, seed=100 + seed)
     version = p._s.version
     met: set[int] = set()
     plan = p.plan
-    p.plan = lambda b: (met.add(b) if p._s.steps >= 1050 else None) or plan(b)
-    serve_walk(p, [0.85 - 0.6 * i / 400 for i in range(400)] + [0.25] * 200, seed=1)
+    p.plan = lambda b: (met.add(b) if p._s.steps >= 1120 else None) or plan(b)
+    serve_walk(p, [0.85 - 0.6 * i / 400 for i in range(400)] + [0.25] * 200, seed=seed)
     del p.plan
-    assert p._s.version > version + 2 and len(met) >= 8
+    assert p._s.version > version + 2 and len(met) >= 5
     for b in met:
-        assert p._s.decided_at[b] >= 1000 and _goodput_ratio(p, b, 0.25, p.choice(b)) >= 0.98, (b, p.choice(b))
+        assert p._s.decided_at[b] >= 1000 and _goodput_ratio(p, b, 0.25, p.choice(b)) >= 0.975, (b, p.choice(b))
