@@ -34,7 +34,10 @@ CELLS = ((16, 48), (64, 128))
 
 
 def scaled(cost: Any, target: float, drafter: float) -> Any:
-    """``cost`` with the drafter's and the target's millisecond terms scaled."""
+    """``cost`` with the target's millisecond terms (``*_ms*`` fields) scaled by ``target`` and the
+    drafter's fixed, per-step and per-token terms by ``drafter`` (its compute and KV terms, small at
+    these batches, and the overhead are left as they are; ``calibrate.scaled_table`` scales every
+    part of a profile for a calibration)."""
     p = cost.params
     d = dataclasses.replace(p.drafter, fixed_ms=drafter * p.drafter.fixed_ms, step_ms=drafter * p.drafter.step_ms,
                             token_ms=drafter * p.drafter.token_ms)
@@ -52,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     loader = planner_at(a.planner).load if a.planner else load
     cost = load(a.table, on_gpu_mismatch="ignore").cost
     out: dict[str, float] = {}
+    sources = heldout_sources()
     for name, tf, df in SCENARIOS:
         served = scaled(cost, tf, df)
         for src in SOURCES:
-            acc = resolve_acceptance(heldout_sources()[src][0], 15)
+            acc = resolve_acceptance(sources[src][0], 15)
             for c, req in CELLS:
                 what = WhatIf(lambda: loader(a.table, on_gpu_mismatch="ignore"), acc, requests=lambda _c, r=req: r,
                               repeats=3, decode_tokens=63, shared=True, served_cost=served)

@@ -863,9 +863,9 @@ class Planner:
         # spans, several u_K apart) most of each is kept
         own = [x for x in corr if x[2] >= REGIME_SHRINK]
         if own:
-            tau2 = sum((c - 1.0) ** 2 - u * u for c, u, _ in own) / len(own)
-            s.corr_wide = [x if not x[2] else (1.0 + (x[0] - 1.0) * tau2 / (tau2 + x[1] * x[1]), x[1], x[2])
-                           for x in corr] if tau2 > 0.0 else [x if not x[2] else (1.0, x[1], x[2]) for x in corr]
+            tau2 = max(0.0, sum((c - 1.0) ** 2 - u * u for c, u, _ in own) / len(own))
+            s.corr_wide = [(1.0 + ((c - 1.0) * tau2 / (tau2 + u * u) if tau2 else 0.0) if n else c, u, n)
+                           for c, u, n in corr]
 
     def _changed(self) -> bool:
         """Change test; also learns the overdispersion ``phi`` = E[D^2] of a stationary stream
