@@ -34,16 +34,9 @@ CELLS = ((16, 48), (64, 128))
 
 
 def scaled(cost: Any, target: float, drafter: float) -> Any:
-    """``cost`` with the target's millisecond terms (``*_ms*`` fields) scaled by ``target`` and the
-    drafter's fixed, per-step and per-token terms by ``drafter`` (its compute and KV terms, small at
-    these batches, and the overhead are left as they are; ``calibrate.scaled_table`` scales every
-    part of a profile for a calibration)."""
-    p = cost.params
-    d = dataclasses.replace(p.drafter, fixed_ms=drafter * p.drafter.fixed_ms, step_ms=drafter * p.drafter.step_ms,
-                            token_ms=drafter * p.drafter.token_ms)
-    t = p.target
-    ms = {f.name: target * getattr(t, f.name) for f in dataclasses.fields(t) if "ms" in f.name}
-    return dataclasses.replace(cost, params=dataclasses.replace(p, drafter=d, target=dataclasses.replace(t, **ms)))
+    """``cost`` with every time term of the target scaled by ``target`` and of the drafter by
+    ``drafter`` (``CostModelParams.scaled``; the overhead is left as it is)."""
+    return dataclasses.replace(cost, params=cost.params.scaled(weight=target, token=target, drafter=drafter))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -488,31 +488,10 @@ def scaled_table(table: Table, scales: dict[str, float], error: CostError, n_poi
     """The profile with its cost parts scaled; measured points scaled by new fit / old fit."""
     m = table.costs.model
     w, t, d = scales["weight"], scales["token"], scales["drafter"]
-    target = replace(
-        m.target,
-        weight_ms=m.target.weight_ms * w,
-        token_ms=m.target.token_ms * t,
-        compute_ms=m.target.compute_ms * t,
-        kv_ms_per_mtok=m.target.kv_ms_per_mtok * t,
-        kv_verify_ms_per_mtok=m.target.kv_verify_ms_per_mtok * t,
-    )
-    dr = m.drafter
-    drafter = replace(
-        dr,
-        fixed_ms=dr.fixed_ms * d,
-        step_ms=dr.step_ms * d,
-        token_ms=dr.token_ms * d,
-        compute_ms=dr.compute_ms * d,
-        kv_ms_per_mtok=dr.kv_ms_per_mtok * d,
-    )
-    overhead = replace(
-        m.overhead,
-        base_ms=m.overhead.base_ms * t,
-        token_ms=m.overhead.token_ms * t,
-        source=f"calibrated to {n_points} engine results (scales weight {w:.3f}, token {t:.3f}, "
-        f"drafter {d:.3f})",
-    )
-    params = replace(m, target=target, drafter=drafter, overhead=overhead)
+    params = m.scaled(weight=w, token=t, drafter=d, overhead=t)
+    params = replace(params, overhead=replace(
+        params.overhead, source=f"calibrated to {n_points} engine results (scales weight {w:.3f}, token {t:.3f}, "
+        f"drafter {d:.3f})"))
     old, new = (
         CostModel(m, table.workload.drafter_kind, table.workload.context_len),
         CostModel(params, table.workload.drafter_kind, table.workload.context_len),

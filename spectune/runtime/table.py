@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal, get_args
 
 from spectune.errors import TableError
@@ -196,6 +196,23 @@ class CostModelParams:
     drafter: DrafterCost
     overhead: OverheadCost
     power: PowerModel | None = None
+
+    def scaled(self, *, weight: float = 1.0, token: float = 1.0, drafter: float = 1.0,
+               overhead: float = 1.0) -> CostModelParams:
+        """These costs with their time terms scaled: the target's weight read by ``weight`` and its
+        per-token, compute and KV terms by ``token``; every time term of the drafter by
+        ``drafter``; the overhead by ``overhead`` (a calibration's fit, or a what-if's GPU that
+        runs one part faster or slower). Token counts (knees, tiles) and power stay."""
+        t, d, o = self.target, self.drafter, self.overhead
+        return replace(
+            self,
+            target=replace(t, weight_ms=weight * t.weight_ms, token_ms=token * t.token_ms,
+                           compute_ms=token * t.compute_ms, kv_ms_per_mtok=token * t.kv_ms_per_mtok,
+                           kv_verify_ms_per_mtok=token * t.kv_verify_ms_per_mtok),
+            drafter=replace(d, fixed_ms=drafter * d.fixed_ms, step_ms=drafter * d.step_ms,
+                            token_ms=drafter * d.token_ms, kv_ms_per_mtok=drafter * d.kv_ms_per_mtok,
+                            compute_ms=drafter * d.compute_ms),
+            overhead=replace(o, base_ms=overhead * o.base_ms, token_ms=overhead * o.token_ms))
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,7 @@ def test_served_cost_off_the_table_is_recovered_by_measured_step_times():
     acceptance = resolve_acceptance(heldout_sources()["mtbench-ngram"][0], 15)
 
     def ratio(time_feedback: bool, factor: float) -> float:
-        d = table_cost.params.drafter
-        slow = dataclasses.replace(d, fixed_ms=factor * d.fixed_ms, step_ms=factor * d.step_ms,
-                                   token_ms=factor * d.token_ms)
-        served = dataclasses.replace(table_cost, params=dataclasses.replace(table_cost.params, drafter=slow))
+        served = dataclasses.replace(table_cost, params=table_cost.params.scaled(drafter=factor))
 
         def make():
             p = load(str(path), on_gpu_mismatch="ignore")

@@ -127,3 +127,29 @@ def test_past_the_knee_a_partial_tile_costs_a_whole_one():
     assert fit_ms(tiled, 100, 10, 2048) == pytest.approx(fit_ms(TARGET, 100, 10, 2048))
     with pytest.raises(TableError, match="tile_tokens"):
         TargetCost(6.0, 0.02, 256.0, 0.01, 30.0, tile_tokens=0).validate("costs.model.target")
+
+
+def test_scaled_params_scale_the_time_of_each_part_alone():
+    """``CostModelParams.scaled``: the weight read, the target's per-token / KV terms, the drafter
+    and the overhead each scale their own part of a step's time, and only theirs."""
+    params = CostModelParams(TARGET, DrafterCost(0.2, 0.5, 0.003, kv_ms_per_mtok=2.0, compute_ms=0.001, knee_tokens=64.0),
+                             OverheadCost(0.05, 0.0002, source="x"))
+    model = CostModel(params, "autoregressive", CTX)
+    assert params.scaled() == params
+    b, k, n = 16, 4, 80
+
+    def parts(p: CostModelParams) -> tuple[float, float, float]:
+        m = CostModel(p, "autoregressive", CTX)
+        return m.target_ms(n, b), m.drafter_ms(b, k), m.overhead_ms(n)
+
+    t0, d0, o0 = parts(params)
+    t, d, o = parts(params.scaled(drafter=1.4))
+    assert (t, o) == (t0, o0) and d == pytest.approx(1.4 * d0, rel=1e-12)
+    t, d, o = parts(params.scaled(weight=1.2, token=1.2))
+    assert (d, o) == (d0, o0) and t == pytest.approx(1.2 * t0, rel=1e-12)
+    t, d, o = parts(params.scaled(overhead=0.5))
+    assert (t, d) == (t0, d0) and o == pytest.approx(0.5 * o0, rel=1e-12)
+    w = params.scaled(weight=2.0)  # the weight read alone: the step's other target terms stay
+    assert CostModel(w, "autoregressive", CTX).target_ms(n, b) - model.target_ms(n, b) == pytest.approx(TARGET.weight_ms)
+    assert w.target.knee_tokens == TARGET.knee_tokens and w.drafter.knee_tokens == 64.0
+    assert w.overhead.source == "x"
