@@ -360,9 +360,11 @@ class Engine:
                 k_valid = self._k_valid(n, plan.k)
             out = self.verifier.step(self.state.last_token, drafts, conf, n, plan,
                                      context_lens=self.state.context_lens,
-                                     block_tables=self.state.block_tables, k_valid=k_valid, ride=ride)
+                                     block_tables=self.state.block_tables, k_valid=k_valid, ride=ride,
+                                     copy_stats=False)
             if plan.k > 0:
                 self._count_declined(out, n, plan.k)
+            self.verifier.copy_stats()  # (after the declined drafts: they read with this step's counts)
             self._advance(run, out, n, it)
             self.last_width = plan.k + 1
             if pieces:
@@ -419,7 +421,8 @@ class Engine:
         draft it did offer was accepted) counts as tested and rejected at that position: the
         step paid for the slot, and the controller must see the yield per planned draft, not
         only per offered one (an n-gram drafter without a match offers nothing). On the device,
-        into the verifier's cumulative counters (read with the next step's copy): no sync."""
+        into the verifier's cumulative counters before this step's copy of them (so a step's
+        counts are whole: the controller reads per step at batch 1), no sync."""
         offered = getattr(self.drafts.proposer, "offered", None)
         if offered is None:
             return

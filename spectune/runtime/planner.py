@@ -145,6 +145,17 @@ the next probe came ~9 steps later in a full-load window of ~40; drift at c = 25
 0.966 -> 0.976 of the best fixed K at full load). After a change the block that showed it is the new
 estimate's first evidence, so the decision made then can already leave the old choice.
 
+Batch 1 in two states: one request's drafts come in spans (an n-gram or suffix drafter copies a
+stretch, then finds nothing), so at batch 1, where the counters are that request's, a step
+planned after one whose first draft was accepted accepts more than one planned after a miss
+(MT-Bench n-gram traces: a1 ~0.56 against ~0.14). Each batch-1 drafting step's counts go to the
+state its plan was made in (a list of the plans in flight: an engine reads them a step or two
+late); where the two first-position rates differ by more than z standard errors, a plan made
+after a hit runs the best shape under that state's rates when it is deeper than the choice and
+beats it there by the margin, and its counts stay out of the pooled estimate, so the choice
+(with its probes) is made for the steps after a miss (``Planner._burst_plan``). Traffic whose
+acceptance does not hang on the last step keeps one plan.
+
 Step times: the candidates' step times above are the cost model's; ``observe_time(batch, plan,
 ms)`` takes each step's measured device time (the engine's CUDA events, once landed), and each
 shape is scored at model ms x its own measured ratio, shrunk toward the ratio of the timed shapes
@@ -209,6 +220,11 @@ REUSE_MOVE = 1.0  # a batch size met again keeps its choice while no rate of the
 # correction by more than this x its own (z x its standard error), ...
 REUSE_FOLDS = 16  # ... for at most this many x decide_every steps (the measured step times move too), and
 # not past the step its last decision's close call falls due for a trial
+BURST_DRAFTS = 32.0  # batch 1: first drafts each of the two states (after a hit / otherwise) needs before
+# the controller may run a plan of its own after a hit (``_burst_plan``)
+BURST_WINDOW = 4.0  # ... over this many x the estimate's window (steps after a hit are a small share)
+BURST_STALE = 1  # ... a hit holds while at most this many plain steps have been observed since it
+BURST_LAG = 8  # a batch-1 drafting plan whose counts have not come back within this many plans is dropped
 NO_CORR = (1.0, 0.0, 0.0)  # (correction, its relative error, first-position counts) of a K without counts
 
 
@@ -304,6 +320,23 @@ class OnlineState:
     version: int = 0
     v_fold: int = -1
     v_ref: tuple[Any, ...] | None = None
+    # batch 1 in two states (``Planner._burst_plan``): whether the newest drafting step observed at
+    # batch 1 accepted its first draft (``hit``); decayed counts of the batch-1 steps observed
+    # after a hit (hA/hT) and after a miss (mA/mT), last decayed at step h_at; the plan run after a
+    # hit (None: the choice), and how many steps ran it
+    hit: bool = False
+    since_hit: int = 0  # plain steps observed at batch 1 since that drafting step
+    plans: int = 0  # plans returned
+    # batch-1 drafting plans whose counts have not come back yet (an engine reports a step's
+    # counters a step or two late): (plan number, planned after a hit, ran the hit state's plan)
+    pending: list[tuple[int, bool, bool]] = field(default_factory=list)
+    hA: list[float] = field(default_factory=list)
+    hT: list[float] = field(default_factory=list)
+    mA: list[float] = field(default_factory=list)
+    mT: list[float] = field(default_factory=list)
+    h_at: int = 0
+    burst: Plan | None = None
+    bursts: int = 0
     # the planner's table it belongs to (max batch, tiers, largest K): its choices are shapes of
     # that table's captured tiers, so another table's planner refuses it (``restore_online``)
     owner: tuple[Any, ...] = ()
@@ -364,6 +397,7 @@ class Planner:
         self._time_err = max(0.01, table.costs.error.median_rel)
         self._keep = 1.0 - 1.0 / self.online.window  # per-step decay of the estimate's counts
         self._keep_fast = 1.0 - 1.0 / self.online.change_window
+        self._keep_burst = 1.0 - 1.0 / (BURST_WINDOW * self.online.window)  # (``_burst_count``)
         self.k_lo = self.online.min_k
         self.k_hi = self.online.max_k if self.online.max_k is not None else table.workload.max_k
         self.k_hi = max(self.k_hi, max(r.k for r in self.policy.rows), 1)
@@ -452,6 +486,13 @@ class Planner:
                 s.trial_left[batch_size] -= 1
                 if s.trial_left[batch_size] <= 0:  # ended: the next decision judges it
                     s.trial[batch_size], s.tried[batch_size] = None, plan.k
+            elif batch_size == 1 and s.hit and s.since_hit <= BURST_STALE and (
+                    burst := s.burst if s.burst is not None else self._blind[1]
+                    if not s.choice[1].k and s.hT and s.hT[0] < BURST_DRAFTS else None):
+                # after a hit at batch 1, the plan of that state (``_burst_plan``); under a plain
+                # choice, K = 1 until that state has counts enough to decide on
+                plan = burst
+                s.bursts += 1
             else:
                 plan = s.probe[batch_size]
                 if plan is None or not self._probe_due(s.every[batch_size]):
@@ -462,6 +503,10 @@ class Planner:
             s.run_len += 1
         else:
             s.run_k, s.run_len = plan.k, 1
+        s.plans += 1
+        if batch_size == 1 and plan.k:  # (``_burst_count``: the state it was planned in)
+            after_hit = s.hit and s.since_hit <= BURST_STALE
+            s.pending.append((s.plans, after_hit, after_hit and plan is s.burst))
         return plan
 
     def plan_ride(self, batch_size: int, ride: int) -> Plan:
@@ -578,6 +623,8 @@ class Planner:
             m = min(len(acc), len(off), n)
             acc = acc[:m] + [0.0] * (n - m)
             off = off[:m] + [0.0] * (n - m)
+        if s.last_batch == 1 and self._burst_count(acc, off):  # the hit state's own plan ran: its
+            acc = off = [0.0] * n  # counts stay out of the pooled estimate, which then speaks for the other state
         s.pa = list(map(add, s.pa, acc))
         s.pt = list(map(add, s.pt, off))
         k = s.run_k  # a step well inside a run of K (of the last plans returned, so also with a
@@ -609,6 +656,8 @@ class Planner:
             s.every = [self.online.probe_every] * (self.max_batch + 1)
             self._clear_trials()
         self._decide()
+        if s.hT:
+            s.burst = self._burst_plan()
 
     def observe_time(self, batch_size: int, plan: Plan, ms: float) -> None:
         """One step's measured time (the device time of a step the engine ran at ``batch_size``
@@ -791,6 +840,74 @@ class Planner:
         if v <= 0.0:  # (no minimum count: how many drafts a block tests depends on how many
             return None  # it accepted, and keeping only the blocks that tested many would bias D up)
         return (x - e) / math.sqrt(s.phi * v)
+
+    def _burst_count(self, acc: list[float], off: list[float]) -> bool:
+        """Batch 1: a drafting step's counts (one first draft tested) go to the state its plan was
+        made in (after a hit or not: the oldest plan whose counts are due, ``pending``), both
+        states' counts decayed to now; its first draft sets the state of the plans to come.
+        Whether they are counts of the hit state's own plan (``_burst_plan``)."""
+        s = self._s
+        if off[0] <= 0.0:  # a plain step
+            s.since_hit += 1
+            return False
+        s.hit, s.since_hit = 2.0 * acc[0] > off[0], 0  # (its first draft accepted; expected counts: most of it)
+        while s.pending and s.pending[0][0] < s.plans - BURST_LAG:
+            s.pending.pop(0)  # (counts an engine dropped: a run's start forgets the last run's)
+        if not s.pending:
+            return False
+        _, after_hit, own = s.pending.pop(0)
+        if off[0] != 1.0:  # several steps' counts at once: their states are not told apart
+            del s.pending[:int(off[0]) - 1]
+            return False
+        if not s.hT:
+            n = self.k_hi
+            s.hA, s.hT, s.mA, s.mT = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        else:
+            g = self._keep_burst ** (s.steps - s.h_at)
+            s.hA, s.hT = [g * x for x in s.hA], [g * x for x in s.hT]
+            s.mA, s.mT = [g * x for x in s.mA], [g * x for x in s.mT]
+        s.h_at = s.steps
+        if after_hit:
+            s.hA, s.hT = list(map(add, s.hA, acc)), list(map(add, s.hT, off))
+        else:
+            s.mA, s.mT = list(map(add, s.mA, acc)), list(map(add, s.mT, off))
+        return own
+
+    def _burst_plan(self) -> Plan | None:
+        """Batch 1 in two states. One request's drafts come in spans (an n-gram or suffix drafter
+        copies a stretch, then finds nothing): a step after one whose first draft was accepted
+        accepts more than one after a miss. Where the two states' first-position rates differ by
+        more than ``z`` standard errors (each with ``BURST_DRAFTS`` first drafts), the step after a
+        hit runs the best shape under that state's rates (each position shrunk toward the
+        prior x the state's drift, as ``_estimate`` does) when it beats the choice there by the
+        margin; the choice (made on the other state's counts: the hit state's stay out of the
+        pooled estimate while its own plan runs) runs after a miss, with its probes. None: the
+        choice in both states (traffic whose acceptance does not hang on the last step)."""
+        s = self._s
+        th, tm = s.hT[0], s.mT[0]
+        if th < BURST_DRAFTS or tm < BURST_DRAFTS or not self._cands[1]:
+            return None
+        ph, pm = min(s.hA[0], th) / th, min(s.mA[0], tm) / tm
+        v = s.phi * (max(ph * (1.0 - ph), 1e-4) / th + max(pm * (1.0 - pm), 1e-4) / tm)
+        if ph - pm <= self.online.z * math.sqrt(v):
+            return None
+        expect = sum(t * a for t, a in zip(s.hT, s.a, strict=True))
+        rho = (sum(s.hA) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
+        rates = [((A if A < T else T) + SHRINK * min(1.0, a * rho)) / (T + SHRINK)
+                 for A, T, a in zip(s.hA, s.hT, s.a, strict=True)]
+        sums = _survival_sums(rates)
+        fac = self._fac[1]
+        cur = s.choice[1]
+        best, best_g, cur_g = None, 0.0, 0.0
+        for p, ms in self._cands[1]:
+            g = _tokens(sums, 1, p.verify_budget) * fac[p] / (ms * self._timing(1, p)[0])
+            if p == cur:
+                cur_g = g
+            if g > best_g:
+                best, best_g = p, g
+        if best is None or best.k <= cur.k or best_g <= cur_g * (1.0 + self.online.margin):
+            return None
+        return best
 
     def _estimate(self) -> None:
         s = self._s
@@ -1191,6 +1308,7 @@ class Planner:
         s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
         s.rise = s.fall = 0.0
         s.block_fires = False
+        s.hA, s.hT, s.mA, s.mT, s.burst = [], [], [], [], None
         s.folded = s.steps
         s.version, s.v_ref = s.version + 1, None  # (``_version``: a new estimate, decided on afresh)
         self._estimate()

@@ -408,6 +408,7 @@ class AdaptiveVerifier:
         k_valid: torch.Tensor | None = None,  # [>= batch] int32, drafts each request has (<= k)
         draft_probs: torch.Tensor | None = None,  # [>= batch, k, V] float32 (sampling with probs)
         ride: int = 0,  # rider tokens in the forward (a bucket of the pool's rider, loaded)
+        copy_stats: bool = True,  # False: the caller adds to the counters first, then ``copy_stats()``
     ) -> StepOutput:
         pool, b, n = self.pool, self.pool.buf, batch_size
         tier, k = plan.tier, plan.k
@@ -433,7 +434,8 @@ class AdaptiveVerifier:
         if verify:
             self._fill_drafts(n, k, plan.verify_budget, tier, drafts, conf, k_valid, draft_probs)
         pool.run(tier, verify, ride)
-        self._copy_stats_out()
+        if copy_stats:
+            self.copy_stats()
         grant = pool.packed[tier].grant_used[:n] if verify else b.no_grant[:n]
         return StepOutput(b.out.out_tokens[:n], b.out.num_out[:n], grant, k, tier)
 
@@ -464,7 +466,10 @@ class AdaptiveVerifier:
 
     # -- statistics, one step late --------------------------------------------------------------
 
-    def _copy_stats_out(self) -> None:
+    def copy_stats(self) -> None:
+        """Enqueue the step's counters copy to pinned host memory (``step`` does, unless told
+        ``copy_stats=False``: a caller that adds counts of its own to this step, as the engine
+        does for the drafts a proposer declined, copies after them, so they read with this step)."""
         slot = self._slots[self._steps % len(self._slots)]
         slot.host.copy_(self.pool.buf.stats.counters, non_blocking=slot.event is not None)
         if slot.event is not None:

@@ -164,16 +164,20 @@ class Observing(FixedPolicy):
         self.seen.append((list(accepted), list(tested)))
 
 
+def serve_traced(rig, plain, engine, steps, order, concurrency):
+    """Replay the recorded ``steps`` (request name -> (offered, accepted) per step) in ``order``
+    under a fixed-K policy that keeps every observation; the outputs are plain decoding's."""
+    reqs = request_steps(records(steps), MAX_K)
+    rig.replay.load_tokens(plain.outputs, token_tables(reqs, order, len(rig.requests), max(MAX_NEWS), offset=1))
+    policy = Observing(MAX_K, engine.tiers)
+    assert engine.run(rig.requests, policy, concurrency=concurrency).outputs == plain.outputs
+    return policy
+
+
 def test_declined_drafts_count_as_tested_and_rejected(rig, plain, engine):
     # t0 never offers a draft; t1 offers 1 of K and it is right: the controller must see the
     # planned slots the drafter left empty as rejected drafts, not as untested ones
-    steps = {"t0": [(0, 0)] * 8, "t1": [(1, 1)] * 8}
-    reqs = request_steps(records(steps), MAX_K)
-    t = token_tables(reqs, [0, 1], len(rig.requests), max(MAX_NEWS), offset=1)
-    rig.replay.load_tokens(plain.outputs, t)
-    policy = Observing(MAX_K, engine.tiers)
-    res = engine.run(rig.requests, policy, concurrency=2)
-    assert res.outputs == plain.outputs
+    policy = serve_traced(rig, plain, engine, {"t0": [(0, 0)] * 8, "t1": [(1, 1)] * 8}, [0, 1], 2)
     engine.verifier.poll_stats()
     acc = [sum(a[i] for a, _ in policy.seen) for i in range(MAX_K)]
     tested = [sum(x[i] for _, x in policy.seen) for i in range(MAX_K)]
@@ -245,3 +249,16 @@ def test_bench_serves_a_trace_file_token_by_token(tmp_path):
     rows = {(r["arm"], r["repeat"]): r for r in data["rows"]}
     assert all(r["mismatches"] == 0 for r in rows.values())
     assert rows[("fixed:3", 0)]["mean_accept_len"] > 1.0
+
+
+def test_a_steps_declined_drafts_read_with_that_steps_counts(rig, plain, engine):
+    """At batch 1 the controller reads each step's counts as that request's (``Planner``'s two
+    states): a step whose drafter offered nothing shows its declined first draft in its own
+    counts, not in the next step's -- every observed step tested exactly one first draft."""
+    policy = serve_traced(rig, plain, engine, {"t0": [(0, 0)] * 8}, [0, 0], 1)
+    # one first draft per step (none where the request's last token leaves no room to draft)
+    assert len(policy.seen) > 20 and all(tested[0] <= 1 and acc == [0] * MAX_K for acc, tested in policy.seen)
+    assert sum(tested[0] for _, tested in policy.seen) > 0.8 * len(policy.seen)
+    # each request's first drafting step is observed with its own declined draft: no step's
+    # counts hold two (the next step's, as when they were added after this step's copy)
+    assert all(tested[0] == 1 for _, tested in policy.seen[:3]), policy.seen[:3]
