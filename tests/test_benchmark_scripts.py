@@ -918,3 +918,28 @@ def test_sim_planner_files_runs_each_planner_against_one_set_of_fixed_arms(tmp_p
     assert mod.main([*args, "--planners", str(same), "--sources", "no-such-source"]) == 2
     err = capsys.readouterr().err
     assert "no-such-source" in err and err.count("\n") == 1
+
+
+def test_sim_batch1_hands_the_counters_over_late(tmp_path, capsys):
+    """``sim_batch1.py``: the planner reads each step's counters ``--late`` plans after the
+    simulator hands them over (as an engine's host that runs ahead), and the cells land in JSON."""
+    sim_batch1 = load("sim_batch1")
+
+    seen = []
+
+    class Recorder:
+        def observe(self, acc, tested):
+            seen.append(acc[0])
+
+    late = sim_batch1.Late(Recorder(), 1)
+    for i in range(3):
+        late.observe([float(i)], [1.0])
+    assert seen == [0.0, 1.0]  # the third step's counters wait for the next plan
+    table = "spectune/profiles/nvidia-h200_qwen3-8b_eagle-1l.ctx320.policy.yaml"
+    out = tmp_path / "c1.json"
+    assert sim_batch1.main([table, "--sources", "mtbench-ngram", "--late", "1", "--repeats", "1", "--out", str(out)]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert list(cells) == [f"{Path(table).name}|mtbench-ngram"] and 0.5 < cells[f"{Path(table).name}|mtbench-ngram"][0] < 1.5
+    assert "trace cells: mean" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--late"):
+        sim_batch1.main([table, "--late", "-1"])
