@@ -321,8 +321,8 @@ class OnlineState:
     v_fold: int = -1
     v_ref: tuple[Any, ...] | None = None
     # batch 1 in two states (``Planner._burst_plan``): whether the newest drafting step observed at
-    # batch 1 accepted its first draft (``hit``); decayed counts of the batch-1 steps observed
-    # after a hit (hA/hT) and after a miss (mA/mT), last decayed at step h_at; the plan run after a
+    # batch 1 accepted its first draft (``hit``); decayed counts of the batch-1 steps planned
+    # after a hit (hA/hT) and otherwise (mA/mT), last decayed at step h_at; the plan run after a
     # hit (None: the choice), and how many steps ran it
     hit: bool = False
     since_hit: int = 0  # plain steps observed at batch 1 since that drafting step
@@ -878,9 +878,9 @@ class Planner:
         copies a stretch, then finds nothing): a step after one whose first draft was accepted
         accepts more than one after a miss. Where the two states' first-position rates differ by
         more than ``z`` standard errors (each with ``BURST_DRAFTS`` first drafts), the step after a
-        hit runs the best shape under that state's rates (each position shrunk toward the
-        prior x the state's drift, as ``_estimate`` does) when it beats the choice there by the
-        margin; the choice (made on the other state's counts: the hit state's stay out of the
+        hit runs the best shape under that state's rates (each position shrunk toward the pooled
+        rate x the state's drift against the pooled estimate, as ``_estimate`` shrinks toward the
+        drifted prior) when it is deeper than the choice and beats it there by the margin; the choice (made on the other state's counts: the hit state's stay out of the
         pooled estimate while its own plan runs) runs after a miss, with its probes. None: the
         choice in both states (traffic whose acceptance does not hang on the last step)."""
         s = self._s
