@@ -943,3 +943,20 @@ def test_sim_batch1_hands_the_counters_over_late(tmp_path, capsys):
     assert "trace cells: mean" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--late"):
         sim_batch1.main([table, "--late", "-1"])
+
+
+def test_trace_two_states_bounds_on_the_shipped_traces(tmp_path):
+    """``trace_two_states.py``: the rule after a hit runs K, after a miss plain, K = 1 after m plain
+    steps; with the counters late it sees one step less; the four trace sets land in JSON."""
+    mod = load("trace_two_states")
+    rule = mod.two_states(3, 2)
+    assert rule([]) == 1 and rule([(1, 1)]) == 3 and rule([(1, 0)]) == 0 and rule([(1, 0), (0, 0), (0, 0)]) == 1
+    ms = {k: 1.0 + 0.1 * k for k in range(8)}
+    span = [[4, 3, 2, 1, 0, 0, 0, 0]]  # a 4-token span, then nothing
+    assert mod.goodput(span, ms, lambda _: 0, 8, 0) == pytest.approx(1.0)
+    assert mod.goodput(span, ms, rule, 8, 1) < mod.goodput(span, ms, rule, 8, 0)  # a step late: less known
+    out = tmp_path / "t.json"
+    assert mod.main(["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["traces"] for r in rows] == list(mod.TRACES)
+    assert all(r["two_states_late0"]["x_plain"] >= r["two_states_late1"]["x_plain"] for r in rows)
