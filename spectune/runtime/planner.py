@@ -507,6 +507,8 @@ class Planner:
         if batch_size == 1 and plan.k:  # (``_burst_count``: the state it was planned in)
             after_hit = s.hit and s.since_hit <= BURST_STALE
             s.pending.append((s.plans, after_hit, after_hit and plan is s.burst))
+            if len(s.pending) > BURST_LAG:  # (a server that never observes: the list stays short)
+                del s.pending[0]
         return plan
 
     def plan_ride(self, batch_size: int, ride: int) -> Plan:

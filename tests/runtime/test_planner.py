@@ -1231,6 +1231,17 @@ def test_batch_1_acceptance_that_does_not_hang_on_the_last_step_keeps_one_plan(r
         assert p._s.bursts < 0.03 * 4000, (seed, p._s.bursts)
 
 
+def test_plans_in_flight_stay_few_where_no_counts_come_back():
+    """A server that plans and never observes: the batch-1 plans waiting for their counts stay
+    at most ``BURST_LAG``."""
+    from spectune.runtime.planner import BURST_LAG
+
+    p = Planner(make_table(min_k=0))
+    for _ in range(1000):
+        p.plan(1)
+    assert 0 < len(p._s.pending) <= BURST_LAG
+
+
 def test_the_two_states_are_learnt_at_batch_1_only():
     """Counters of a larger batch pool several requests: they leave the two states' counts alone."""
     p = Planner(make_table(min_k=0))
