@@ -480,15 +480,15 @@ class Planner:
             self._decide(batch_size)  # a batch size reached again (or first) with a stale choice
             # (on the estimate of the last fold: at most decide_every - 1 steps old)
         s.last_batch = batch_size
+        after_hit = batch_size == 1 and s.hit and s.since_hit <= BURST_STALE  # (``_burst_count``)
         if 0 < batch_size <= self.max_batch:
             plan = s.trial[batch_size]
             if plan is not None:  # a trial block of another K (``_decide``): no probes meanwhile
                 s.trial_left[batch_size] -= 1
                 if s.trial_left[batch_size] <= 0:  # ended: the next decision judges it
                     s.trial[batch_size], s.tried[batch_size] = None, plan.k
-            elif batch_size == 1 and s.hit and s.since_hit <= BURST_STALE and (
-                    burst := s.burst if s.burst is not None else self._blind[1]
-                    if not s.choice[1].k and s.hT and s.hT[0] < BURST_DRAFTS else None):
+            elif after_hit and (burst := s.burst if s.burst is not None else self._blind[1]
+                                if not s.choice[1].k and s.hT and s.hT[0] < BURST_DRAFTS else None):
                 # after a hit at batch 1, the plan of that state (``_burst_plan``); under a plain
                 # choice, K = 1 until that state has counts enough to decide on
                 plan = burst
@@ -505,7 +505,6 @@ class Planner:
             s.run_k, s.run_len = plan.k, 1
         s.plans += 1
         if batch_size == 1 and plan.k:  # (``_burst_count``: the state it was planned in)
-            after_hit = s.hit and s.since_hit <= BURST_STALE
             s.pending.append((s.plans, after_hit, after_hit and plan is s.burst))
             if len(s.pending) > BURST_LAG:  # (a server that never observes: the list stays short)
                 del s.pending[0]
@@ -882,9 +881,10 @@ class Planner:
         more than ``z`` standard errors (each with ``BURST_DRAFTS`` first drafts), the step after a
         hit runs the best shape under that state's rates (each position shrunk toward the pooled
         rate x the state's drift against the pooled estimate, as ``_estimate`` shrinks toward the
-        drifted prior) when it is deeper than the choice and beats it there by the margin; the choice (made on the other state's counts: the hit state's stay out of the
-        pooled estimate while its own plan runs) runs after a miss, with its probes. None: the
-        choice in both states (traffic whose acceptance does not hang on the last step)."""
+        drifted prior) when it is deeper than the choice and beats it there by the margin; the
+        choice (made on the other state's counts: the hit state's stay out of the pooled
+        estimate while its own plan runs) runs after a miss, with its probes. None: the choice in
+        both states (traffic whose acceptance does not hang on the last step)."""
         s = self._s
         th, tm = s.hT[0], s.mT[0]
         if th < BURST_DRAFTS or tm < BURST_DRAFTS or not self._cands[1]:
