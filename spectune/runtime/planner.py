@@ -154,7 +154,10 @@ late); where the two first-position rates differ by more than z standard errors,
 after a hit runs the best shape under that state's rates when it is deeper than the choice and
 beats it there by the margin, and its counts stay out of the pooled estimate, so the choice
 (with its probes) is made for the steps after a miss (``Planner._burst_plan``). Traffic whose
-acceptance does not hang on the last step keeps one plan.
+acceptance does not hang on the last step keeps one plan. A change of level forgets the pooled
+estimate but not the two states where they show the contrast (their counts as of the fold
+before the change): span traffic moves its level from request to request while a hit says as
+much as before; forgotten at each change, at c = 1 the states rarely held the counts to act on.
 
 Step times: the candidates' step times above are the cost model's; ``observe_time(batch, plan,
 ms)`` takes each step's measured device time (the engine's CUDA events, once landed), and each
@@ -335,6 +338,7 @@ class OnlineState:
     mA: list[float] = field(default_factory=list)
     mT: list[float] = field(default_factory=list)
     h_at: int = 0
+    h_fold: tuple[list[float], list[float], list[float], list[float], int] = ([], [], [], [], 0)  # (as of the last fold)
     burst: Plan | None = None
     bursts: int = 0
     # the planner's table it belongs to (max batch, tiers, largest K): its choices are shapes of
@@ -659,6 +663,7 @@ class Planner:
         self._decide()
         if s.hT:
             s.burst = self._burst_plan()
+            s.h_fold = (s.hA, s.hT, s.mA, s.mT, s.h_at)  # (``_reset_estimate``; its lists are never changed in place)
 
     def observe_time(self, batch_size: int, plan: Plan, ms: float) -> None:
         """One step's measured time (the device time of a step the engine ran at ``batch_size``
@@ -874,6 +879,17 @@ class Planner:
             s.mA, s.mT = list(map(add, s.mA, acc)), list(map(add, s.mT, off))
         return own
 
+    def _two_states(self) -> bool:
+        """Whether the steps after a hit accept their first draft more often than the others, by
+        more than ``z`` standard errors, each state with ``BURST_DRAFTS`` first drafts."""
+        s = self._s
+        th, tm = s.hT[0], s.mT[0]
+        if th < BURST_DRAFTS or tm < BURST_DRAFTS:
+            return False
+        ph, pm = min(s.hA[0], th) / th, min(s.mA[0], tm) / tm
+        v = s.phi * (max(ph * (1.0 - ph), 1e-4) / th + max(pm * (1.0 - pm), 1e-4) / tm)
+        return ph - pm > self.online.z * math.sqrt(v)
+
     def _burst_plan(self) -> Plan | None:
         """Batch 1 in two states. One request's drafts come in spans (an n-gram or suffix drafter
         copies a stretch, then finds nothing): a step after one whose first draft was accepted
@@ -886,12 +902,7 @@ class Planner:
         estimate while its own plan runs) runs after a miss, with its probes. None: the choice in
         both states (traffic whose acceptance does not hang on the last step)."""
         s = self._s
-        th, tm = s.hT[0], s.mT[0]
-        if th < BURST_DRAFTS or tm < BURST_DRAFTS or not self._cands[1]:
-            return None
-        ph, pm = min(s.hA[0], th) / th, min(s.mA[0], tm) / tm
-        v = s.phi * (max(ph * (1.0 - ph), 1e-4) / th + max(pm * (1.0 - pm), 1e-4) / tm)
-        if ph - pm <= self.online.z * math.sqrt(v):
+        if not self._cands[1] or not self._two_states():
             return None
         expect = sum(t * a for t, a in zip(s.hT, s.a, strict=True))
         rho = (sum(s.hA) + DRIFT_SHRINK) / (expect + DRIFT_SHRINK)
@@ -1310,7 +1321,15 @@ class Planner:
         s.rk, s.rq, s.ra, s.rt = 0, 0, [], []
         s.rise = s.fall = 0.0
         s.block_fires = False
-        s.hA, s.hT, s.mA, s.mT, s.burst = [], [], [], [], None
+        # the two states' counts as of the fold before this one are kept where they show the
+        # contrast (``_two_states``): it outlives a change of level (span traffic moves its level
+        # from request to request, while a hit says as much as before); this fold's steps stay out
+        # (where the level moved, more of the old level's steps are hits: a contrast of its own)
+        s.hA, s.hT, s.mA, s.mT, s.h_at = s.h_fold
+        if not s.hT or not self._two_states():
+            s.hA, s.hT, s.mA, s.mT = [], [], [], []
+        s.h_fold = (s.hA, s.hT, s.mA, s.mT, s.h_at)
+        s.burst = None
         s.folded = s.steps
         s.version, s.v_ref = s.version + 1, None  # (``_version``: a new estimate, decided on afresh)
         self._estimate()

@@ -1142,13 +1142,13 @@ def test_a_batch_size_reached_again_after_the_estimate_moved_is_decided_again(se
         assert p._s.decided_at[b] >= 1000 and _goodput_ratio(p, b, 0.25, p.choice(b)) >= 0.975, (b, p.choice(b))
 
 
-def spans(rng: random.Random, n: int, span: tuple[int, int] = (6, 14)) -> list[int]:
+def spans(rng: random.Random, n: int, span: tuple[int, int] = (6, 14), gap: tuple[int, int] = (3, 10)) -> list[int]:
     """One request's output as an n-gram drafter sees it: per output index, how many drafts from
     there on would be right -- copyable spans of ``span`` tokens (a run counting down) between
-    stretches of 3-10 tokens where the drafter finds nothing."""
+    stretches of ``gap`` tokens where the drafter finds nothing."""
     out: list[int] = []
     while len(out) < n:
-        out += [0] * rng.randint(3, 10)
+        out += [0] * rng.randint(*gap)
         length = rng.randint(*span)
         out += list(range(length, 0, -1))
     return out[:n]
@@ -1249,3 +1249,55 @@ def test_the_two_states_are_learnt_at_batch_1_only():
     assert not p._s.hT and p._s.burst is None
     run(p, 1, 0.8, 50)
     assert p._s.hT and sum(p._s.hT) + sum(p._s.mT) > 0
+
+
+def test_the_two_states_outlive_a_change_of_level_only_where_they_differ():
+    """A change of level (Page's test) forgets the pooled estimate. The two states' counts are kept
+    where they show the contrast: span traffic changes level from request to request (the share
+    of steps inside a span moves) while a hit still says the same; counts without the contrast
+    are forgotten: independent drafts whose level moved would otherwise lend the steps after a
+    hit the old level (more hits came from the higher one)."""
+    p = Planner(make_table(rows=[Row((1, 16), 2, 2)], min_k=0, max_k=6, prior=[0.8] * 6))
+    s = p._s
+    n = p.k_hi
+    s.hA, s.hT = [30.0] + [20.0] * (n - 1), [50.0] * n  # after a hit: 0.6 of first drafts
+    s.mA, s.mT = [10.0] + [5.0] * (n - 1), [60.0] * n  # after a miss: 0.17
+    assert p._two_states()
+    s.h_fold = (s.hA, s.hT, s.mA, s.mT, s.h_at)  # as a fold leaves them
+    s.mA, s.mT = [x + 1.0 for x in s.mA], [x + 9.0 for x in s.mT]  # the steps of the fold that shows the change
+    p._reset_estimate()
+    assert s.hT[0] == 50.0 and s.mT[0] == 60.0 and s.mA[0] == 10.0  # kept as of the fold before
+    s.hA, s.mA = [27.0] * n, [30.0] * n  # 0.54 and 0.5: no contrast
+    s.h_fold = (s.hA, s.hT, s.mA, s.mT, s.h_at)
+    assert not p._two_states()
+    p._reset_estimate()
+    assert not s.hT and not s.mT and s.burst is None
+    # served: independent drafts at 0.9 then at 0.3 -- after the change no plan of the hit state
+    rng = random.Random(0)
+    p = Planner(make_table(rows=[Row((1, 16), 2, 2)], min_k=0, max_k=6, prior=[0.8] * 6))
+    for rate in (0.9, 0.3):
+        bursts, changes = p._s.bursts, p.changes
+        for _ in range(1500):
+            plan = p.plan(1)
+            p.observe(*noisy_counters(plan, 1, rate, rng))
+    assert p.changes > changes and p._s.bursts - bursts < 0.03 * 1500
+
+
+def test_batch_1_span_traffic_of_two_levels_keeps_its_two_states():
+    """Pairs of requests alternate between spans 2-6 tokens apart and 30-60 apart: the level moves
+    and Page's test fires, while a hit says the same in both. The two states (their counts as of
+    the fold before each change) outlive the changes and keep running the plan after a hit
+    (forgetting them at each change, the states had 18-173 first drafts after a hit at the end
+    and ran 27-266 such plans over these seeds)."""
+    table = make_table(rows=[Row((1, 16), 2, 2)], min_k=0, max_k=6, prior=[0.8] * 6)
+    for seed in range(4):
+        p, rng = Planner(table), random.Random(seed)
+        for i in range(60):
+            run_, n = spans(rng, 64, gap=(2, 6) if (i // 2) % 2 else (30, 60)), 0
+            while n < len(run_):
+                plan = p.plan(1)
+                a = min(run_[n], plan.k)
+                p.observe([1.0 if j < a else 0.0 for j in range(plan.k)], [1.0 if j <= a else 0.0 for j in range(plan.k)])
+                n += a + 1
+        s = p._s
+        assert p.changes >= 4 and s.hT and s.hT[0] > 100 and s.bursts > 150, (seed, p.changes, s.hT[:1], s.bursts)
