@@ -46,7 +46,8 @@ PROMPTS = {1: 24, 16: 48, 32: 256, 64: 128, 256: 320}
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sources", required=True, help=f"comma list of {', '.join([*SOURCES, 'drift'])}; "
-                   "NAME@C1/C2 serves that source at its own concurrencies (default: --concurrency)")
+                   "NAME@C1/C2 serves that source at its own concurrencies (default: --concurrency); a source "
+                   "named twice runs once, at the union of its concurrencies")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--policy", default=POLICY)
     p.add_argument("--concurrency", default="1,16,64,256")
@@ -83,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     from spectune.errors import SpectuneError
 
     picked = [n.strip().partition("@") for n in args.sources.split(",") if n.strip()]
-    names = [n for n, _, _ in picked]
+    names: list[str] = []  # each source once, where first named: a source named twice (``x@64,x@1``)
+    own: dict[str, list[int]] = {}  # runs once at the union of its concurrencies (its file is one)
     try:
-        own = {n: [int(c) for c in cs.split("/")] for n, _, cs in picked if cs}
         base = [int(c) for c in args.concurrency.split(",")]
+        for n, _, cs in picked:
+            if n not in own:
+                names.append(n)
+            own[n] = sorted(set(own.get(n, [])) | set([int(c) for c in cs.split("/")] if cs else base))
         conc = sorted(set(base) | {c for cs in own.values() for c in cs})
     except ValueError:
         print(f"heldout_ab: error: --sources/--concurrency: concurrencies must be integers, got "
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                          target=args.target, time_limit_s=args.time_limit, repeats=args.repeats, progress=False,
                          predict_at_measured_accept=False, fused=args.fused, mixed_prefill=args.mixed_prefill,
                          await_ends=args.await_ends, admit_ahead=not args.no_admit_ahead)
-    jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json"), own.get(n, base)) for n in names]
+    jobs = [(*served(n), str(out / f"bench_heldout_{n}_{args.tag}.json"), own[n]) for n in names]
     try:
         results = run_sources(config, jobs)
     except SpectuneError as exc:

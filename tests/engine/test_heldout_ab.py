@@ -48,12 +48,17 @@ def short_run(tmp_path, sources, concurrency, prompts, *extra):
 
 
 def test_a_source_can_run_at_its_own_concurrencies(tmp_path, capsys):
-    main, argv, out = short_run(tmp_path, "low@1/2,high", "1", 2, "--time-limit", "60")
+    # low named twice: one run of it at the union of its concurrencies (not a second run whose
+    # file replaces the first's)
+    main, argv, out = short_run(tmp_path, "low@2,high,low@1/2", "1", 2, "--time-limit", "60")
     assert main(argv) == 0
     low = json.loads((out / "bench_heldout_low_cpu.json").read_text())
     high = json.loads((out / "bench_heldout_high_cpu.json").read_text())
     assert {r["concurrency"] for r in low["rows"]} == {1, 2}
     assert {r["concurrency"] for r in high["rows"]} == {1}
+    assert list(json.loads((out / "heldout_summary_cpu.json").read_text())) == ["low", "high"]
+    table = capsys.readouterr().out
+    assert table.count("low ") == 4 and table.count("high ") == 2  # (full load and the whole run per c)
     assert main([*argv[:1], "low@1/x", *argv[2:]]) == 2
     assert "concurrencies must be integers" in capsys.readouterr().err
 
