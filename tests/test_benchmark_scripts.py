@@ -787,8 +787,14 @@ def test_bench_planner_times_every_step_kind_on_cpu(tmp_path, capsys):
     steady traffic, written as JSON (times are not asserted: they are this machine's)."""
     mod = load("bench_planner")
     out = tmp_path / "bp.json"
-    mod.main(["--calls", "2000", "--out", str(out)])
+    loops = []  # each step loop runs once a round: its best of --rounds is what is written
+    step_us, sampled_us = mod.step_us, mod.sampled_us
+    mod.step_us = lambda p, n, sizes, **kw: loops.append(("step", len(sizes), tuple(kw.items()))) or step_us(p, n, sizes, **kw)
+    mod.sampled_us = lambda p, n, sizes, **kw: loops.append(("sampled", len(sizes))) or sampled_us(p, n, sizes, **kw)
+    mod.main(["--calls", "2000", "--rounds", "3", "--out", str(out)])
+    assert len(loops) == 3 * 7 and all(loops.count(x) == 3 for x in loops[:7])
     res = json.loads(out.read_text())
+    assert res["rounds"] == 3
     keys = ("us_per_call", "plan_ride_us", "step_us_fixed_batch", "step_us_served_batch", "step_us_varying_batch",
             "step_us_steady_fixed_batch", "step_us_steady_served_batch", "step_us_sampled_fixed_batch",
             "step_us_sampled_served_batch", "decisions_per_100_steps_sampled_fixed_batch",
