@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -246,12 +246,17 @@ class Engine:
     def blocks_for(self, request: Request) -> int:
         return -(-(len(request.prompt) + request.max_new_tokens + self.max_k + KV_SLACK) // self.block_size)
 
-    def prepare(self, ks: Sequence[int], concurrency: int) -> None:
-        """Capture the drafter graphs a run at ``concurrency`` with these K values will replay and,
-        with mixed prefill on CUDA, the riding step graphs of every tier up to the one a full batch
-        drafting max(ks) each needs (later ones are captured when first used)."""
-        for k in sorted(set(ks)):
-            self.drafts.prepare(k, min(concurrency, self.max_batch))
+    def prepare(self, ks: Sequence[int], concurrency: int, draft_shapes: Mapping[int, int] | None = None) -> None:
+        """Capture the drafter graphs a run at ``concurrency`` with these K values will replay (and
+        those of ``draft_shapes``, K -> the largest batch it may draft at: what an adaptive policy
+        may move to, ``Planner.draft_shapes``) and, with mixed prefill on CUDA, the riding step
+        graphs of every tier up to the one a full batch drafting max(ks) each needs (later ones
+        are captured when first used)."""
+        rows = {k: min(concurrency, self.max_batch) for k in ks}
+        for k, b in (draft_shapes or {}).items():
+            rows[k] = max(rows.get(k, 0), min(b, concurrency, self.max_batch))
+        for k in sorted(rows):
+            self.drafts.prepare(k, rows[k])
         if self.mixed is not None and self.pool.capture:
             for tier, verify, ride in ride_shapes(self.tiers, ks, min(concurrency, self.max_batch),
                                                   self.mixed.buckets):

@@ -1264,6 +1264,25 @@ class Planner:
         """Batch sizes whose plan the controller changed from the table's row, and the plan."""
         return {b: p for b, p in enumerate(self._s.choice) if b and p != self._table[b]}
 
+    def draft_shapes(self, max_batch: int) -> dict[int, int]:
+        """Every K > 0 a plan may draft at batch sizes 1..``max_batch``, and the largest of those
+        batch sizes it may draft at: the table's rows, every shape the controller may move to,
+        probe or try (batch 1's plan after a hit and a riding step's smaller K are among them),
+        and past the table's rows the K of its last. An engine captures these drafter shapes
+        before serving: the controller reaches K the table never runs (0.9^i at batch 16: K 7-9
+        where the row's K is 4), and a (rows, K) graph captured when first planned stalls that
+        step for the capture (5 such captures took ~0.3 s of a 1 s run on an H100)."""
+        out: dict[int, int] = {}
+        for b in range(1, min(max_batch, self.max_batch) + 1):
+            for p, _ in self._cands[b]:
+                if p.k:
+                    out[p.k] = b
+        if max_batch > self.max_batch:  # (``_plan_outside``: the choice at the last row's batch size)
+            for p, _ in self._cands[self.max_batch]:
+                if p.k:
+                    out[p.k] = max_batch
+        return dict(sorted(out.items()))
+
     def snapshot_online(self) -> OnlineState:
         """A copy of the controller's state, for ``restore_online``."""
         return self._s.copy()

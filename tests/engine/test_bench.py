@@ -325,3 +325,29 @@ def test_a_gpu_table_benched_on_cpu_says_what_ran(tmp_path, capsys):
     assert "note: on CPU the bench serves the `tiny` target in float32, not qwen3-8b" in err
     assert "NVIDIA H200 figures" in err
     assert json.loads(out.read_text())["header"]["target"] == "tiny"
+
+
+def test_auto_prepares_every_drafter_shape_its_controller_may_plan(tmp_path, monkeypatch):
+    # the auto arm's warm-up captures the drafter shapes of every K the controller may move to
+    # (``Planner.draft_shapes``), not only the table's: one captured when first planned stalls a
+    # timed step; a fixed arm prepares its own K only
+    from spectune.engine.engine import Engine
+
+    calls = []
+    real = Engine.prepare
+
+    def recorded(self, ks, concurrency, draft_shapes=None):
+        calls.append((list(ks), concurrency, dict(draft_shapes or {})))
+        return real(self, ks, concurrency, draft_shapes)
+
+    monkeypatch.setattr(Engine, "prepare", recorded)
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "r.json"
+    args = ["--concurrency", "2", "--arms", "fixed:2,auto", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "6",
+            "--prompt-len", "5", "--device", "cpu", "--no-progress"]
+    assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
+    plain, fixed, auto = calls  # (plain: the reference outputs, run first)
+    assert plain == ([0], 2, {}) and fixed == ([2], 2, {})
+    from spectune.runtime.planner import load
+    shapes = load(str(policy), on_gpu_mismatch="ignore").draft_shapes(2)
+    assert auto[2] == shapes and set(range(1, max(shapes) + 1)) <= shapes.keys()

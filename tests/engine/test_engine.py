@@ -336,6 +336,9 @@ def test_captured_engine_on_cuda_matches_plain_greedy():
     spec = engine.run(requests, FixedPolicy(3, engine.tiers), concurrency=4)
     assert spec.outputs == plain.outputs and spec.captures == 0
     assert engine.drafts.captures > 0 and spec.mean_accept_len > 1.0
+    engine.prepare([], 4, {2: 4})  # a K no table row runs (``Planner.draft_shapes``), captured ahead
+    deeper = engine.run(requests, FixedPolicy(2, engine.tiers), concurrency=4)
+    assert deeper.outputs == plain.outputs and deeper.captures == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1301,3 +1301,33 @@ def test_batch_1_span_traffic_of_two_levels_keeps_its_two_states():
                 n += a + 1
         s = p._s
         assert p.changes >= 4 and s.hT and s.hT[0] > 100 and s.bursts > 150, (seed, p.changes, s.hT[:1], s.bursts)
+
+
+@pytest.mark.parametrize("concurrency", [1, 6, 16, 24])
+def test_draft_shapes_hold_every_plan_the_controller_makes(concurrency):
+    # what an engine captures before serving: every K a plan drafts at batch <= concurrency, and
+    # the batch sizes it drafts at -- over traffic that swings between easy and hard, so the
+    # controller moves, probes and tries K the table's rows never run
+    p = Planner(make_table(min_k=0, min_evidence=1.0))
+    shapes = p.draft_shapes(concurrency)
+    table_ks = {p.plan(b).k for b in range(1, min(concurrency, 16) + 1)} - {0}
+    assert table_ks <= shapes.keys() and all(0 < b <= concurrency for b in shapes.values())
+    rng, seen = random.Random(concurrency), {}
+    for i in range(3000):
+        b = rng.randint(1, concurrency)
+        plan = p.plan(b)
+        if plan.k:
+            seen[plan.k] = max(seen.get(plan.k, 0), b)
+        a = 0.95 if (i // 200) % 2 else 0.3
+        tested = [float(b) * a ** j if j < plan.k else 0.0 for j in range(p.k_hi)]
+        p.observe([t * a for t in tested], tested)
+    assert seen.keys() - table_ks  # the controller did leave the table's K
+    assert all(k in shapes and b <= shapes[k] for k, b in seen.items()), (seen, shapes)
+
+
+def test_draft_shapes_past_the_rows_take_the_last_rows_ks():
+    p = Planner(make_table(min_k=0))
+    inside = p.draft_shapes(16)
+    past = p.draft_shapes(40)
+    assert {k for k, b in past.items() if b == 40} == {pl.k for pl, _ in p._cands[16] if pl.k}
+    assert all(past[k] >= b for k, b in inside.items())
