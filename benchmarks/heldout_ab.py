@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>10} {r['concurrency']:>5} {label:>8} {r['best_other']:>10} "
                       f"{_ci(r['vs_best_other'], r['vs_best_other_ci95']):>24} "
                       f"{_ci(r['vs_plain'], r['vs_plain_ci95']):>24} {timed_out.get(r['concurrency'], 0):>9}")
+    captured = [f"{n}: {r['arm']}@{r['concurrency']}" for n, res in zip(names, results, strict=True)
+                for r in res["rows"] if r.get("graph_captures_in_run")]
+    if captured:  # (a capture stalls its step: the run reads low)
+        print(f"warning: {len(captured)} timed runs captured CUDA graphs inside the run: {', '.join(captured)}",
+              file=sys.stderr)
     (out / f"heldout_summary_{args.tag}.json").write_text(json.dumps(
         {n: {"full_load": r["summary_full_load"], "run": r["summary"], "acceptance": r["header"]["acceptance"],
              "tuned_acceptance": r["header"]["tuned_acceptance"]} for n, r in zip(names, results, strict=True)},

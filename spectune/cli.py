@@ -627,6 +627,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"note: {ties} requests diverge from plain greedy decoding at near ties ({head['near_tie_tolerance']}, "
               f"{head['dtype']}): numerical, not a defect; run --dtype float32 for the exactness gate "
               f"(see docs/BENCH_METHOD.md)", file=sys.stderr)
+    captured = [f"{r['arm']}@{r['concurrency']}" for r in results["rows"] if r.get("graph_captures_in_run")]
+    if captured:
+        print(f"warning: {len(captured)} timed runs captured CUDA graphs inside the run ({', '.join(captured[:6])}"
+              f"{', ...' if len(captured) > 6 else ''}): each capture stalls a step, so their throughput reads low "
+              f"(graph_captures_in_run in {args.out})", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
 

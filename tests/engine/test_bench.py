@@ -351,3 +351,25 @@ def test_auto_prepares_every_drafter_shape_its_controller_may_plan(tmp_path, mon
     from spectune.runtime.planner import load
     shapes = load(str(policy), on_gpu_mismatch="ignore").draft_shapes(2)
     assert auto[2] == shapes and set(range(1, max(shapes) + 1)) <= shapes.keys()
+
+
+@pytest.mark.parametrize("captures", [0, 3])
+def test_cli_warns_where_a_timed_run_captured_graphs(tmp_path, capsys, monkeypatch, captures):
+    row = {"concurrency": 16, "arm": "auto", "output_tok_s": 1.0, "decode_tok_s": 2.0, "predicted_tok_s": 2.0,
+           "predicted_tok_s_at_measured_accept": 2.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0,
+           "mean_accept_len": 2.0, "mean_accept_len_clean": 2.0, "joules_per_token": None, "completed": 4,
+           "failed": 0, "mismatches": 0, "hard_mismatches": 0, "near_tie_mismatches": 0,
+           "graph_captures_in_run": captures}
+    head = {"gpu": "g", "target": "t", "drafter": "d", "prompt_len": 8, "max_new_tokens": 8, "acceptance": "a",
+            "dtype": "bfloat16", "near_tie_tolerance": str(NEAR_TIE["bfloat16"])}
+
+    def fake(config, on_row=None):
+        on_row(row)
+        return {"header": head, "rows": [row, dict(row, arm="fixed:2", graph_captures_in_run=0)]}
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    policy = write_policy(tmp_path / "policy.yaml")
+    assert main(["bench", "--policy", str(policy), "--out", str(tmp_path / "r.json"), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: 1 timed runs captured CUDA graphs inside the run (auto@16)" in err) == bool(captures)
+    assert "fixed:2@" not in err

@@ -70,3 +70,22 @@ def test_the_engine_switches_reach_the_bench(tmp_path):
     res = json.loads((out / "bench_heldout_low_cpu.json").read_text())
     assert res["header"]["fused"] is True and res["header"]["mixed_prefill"] is True
     assert all(r["prefill_forwards"] == 0 and r["mixed_prefill_tokens"] == 3 * 5 for r in res["rows"])
+
+
+def test_runs_that_captured_graphs_are_named(tmp_path, capsys, monkeypatch):
+    # a capture inside a timed run stalls its step: the script names every such run (CPU runs
+    # capture nothing, so the runs are the engine's as a GPU would report them)
+    main, argv, out = short_run(tmp_path, "low,high", "2", 3)
+    summary = {"arms": [], "ratios": []}
+
+    def fake(config, jobs):
+        return [{"rows": [{"arm": "auto", "concurrency": 2, "graph_captures_in_run": n},
+                          {"arm": "fixed:2", "concurrency": 2, "graph_captures_in_run": 0}],
+                 "summary": summary, "summary_full_load": summary,
+                 "header": {"acceptance": "a", "tuned_acceptance": "t"}} for n in (0, 2)]
+
+    from spectune.engine import bench
+
+    monkeypatch.setattr(bench, "run_sources", fake)
+    assert main(argv) == 0
+    assert capsys.readouterr().err == "warning: 1 timed runs captured CUDA graphs inside the run: high: auto@2\n"
