@@ -390,8 +390,8 @@ def measure(setup: Setup, arm: str, concurrency: int, requests: list[Request], p
         # auto: also every smaller K and plain decoding, which a riding step may run (``Planner.plan_ride``)
         ks = [k] if k is not None else sorted(table_ks | set(range(max(table_ks) + 1)))
         # auto: the drafter shapes of every K the controller may move to, probe or try (captured
-        # when first planned, each stalled a timed step: 10-20 % of the auto runs of the held-out
-        # A/Bs up to 2026-12-07 captured 1-13 graphs inside the run; a fixed arm, none)
+        # when first planned, each stalled a timed step: 11 % of the auto runs of the A/Bs up to
+        # 2026-12-07 captured 1-5 graphs inside the run; a plain or fixed run, none)
         engine.prepare(ks, concurrency, planner.draft_shapes(concurrency) if k is None else None)
         warm = [Request(r.prompt, min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests[:concurrency]]
         state = planner.snapshot_online()
