@@ -1271,7 +1271,7 @@ class Planner:
         and past the table's rows the K of its last. An engine captures these drafter shapes
         before serving: the controller reaches K the table never runs (0.9^i at batch 16: K 7-9
         where the row's K is 4), and a (rows, K) graph captured when first planned stalls that
-        step for the capture (5 such captures took ~0.3 s of a 1 s run on an H100)."""
+        step for the capture (5 such captures cost ~0.2 s of a 1 s run on an H100)."""
         out: dict[int, int] = {}
         for b in range(1, min(max_batch, self.max_batch) + 1):
             for p, _ in self._cands[b]:
