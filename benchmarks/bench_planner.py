@@ -27,6 +27,7 @@ import argparse
 import json
 import random
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,13 +157,15 @@ def served_batches(max_batch: int, steps: int = 4096, seed: int = 0) -> list[int
     return out
 
 
+# (key, name, loop): each loop times one kind of step at (planner, steps, a server's batch walk)
+# and returns (us a step, its other figure: plans moved or decisions per 100 steps)
 STEP_LOOPS = (
-    ("shifting, batch 32", lambda p, n: step_us(p, n, [min(32, p.max_batch)])[0]),
-    ("shifting, a server's batch", lambda p, n: step_us(p, n, served_batches(p.max_batch))[0]),
-    ("holds still, batch 32", lambda p, n: step_us(p, n, [min(32, p.max_batch)], steady=True)[0]),
-    ("holds still, a server's batch", lambda p, n: step_us(p, n, served_batches(p.max_batch), steady=True)[0]),
-    ("counted per request, batch 32", lambda p, n: sampled_us(p, n, [min(32, p.max_batch)])[0]),
-    ("counted per request, a server's batch", lambda p, n: sampled_us(p, n, served_batches(p.max_batch))[0]),
+    ("fixed", "shifting, batch 32", lambda p, n, walk: step_us(p, n, [min(32, p.max_batch)])),
+    ("walk", "shifting, a server's batch", lambda p, n, walk: step_us(p, n, walk)),
+    ("steady_fixed", "holds still, batch 32", lambda p, n, walk: step_us(p, n, [min(32, p.max_batch)], steady=True)),
+    ("steady_walk", "holds still, a server's batch", lambda p, n, walk: step_us(p, n, walk, steady=True)),
+    ("sampled_fixed", "counted per request, batch 32", lambda p, n, walk: sampled_us(p, n, [min(32, p.max_batch)])),
+    ("sampled_walk", "counted per request, a server's batch", lambda p, n, walk: sampled_us(p, n, walk)),
 )
 
 
@@ -184,14 +187,15 @@ def compare(args: argparse.Namespace) -> None:
     planners = [mod.load(args.policy, on_gpu_mismatch="ignore") if args.policy else mod.Planner(synthetic_table())
                 for mod in (current, other)]
     steps = max(1000, args.calls // 20)
+    walks = [served_batches(p.max_batch) for p in planners]
     best = [[float("inf")] * 2 for _ in STEP_LOOPS]
     for _ in range(max(1, args.rounds)):
-        for row, (_, loop) in zip(best, STEP_LOOPS, strict=True):
+        for row, (_, _, loop) in zip(best, STEP_LOOPS, strict=True):
             for i, p in enumerate(planners):
-                row[i] = min(row[i], loop(p, steps))
+                row[i] = min(row[i], loop(p, steps, walks[i])[0])
     print(f"{'step loop (us a step, best of ' + str(args.rounds) + ')':<40} {'this':>8} {'other':>8} {'ratio':>7}")
     rows = []
-    for (name, _), (us, us_other) in zip(STEP_LOOPS, best, strict=True):
+    for (_, name, _), (us, us_other) in zip(STEP_LOOPS, best, strict=True):
         print(f"{name:<40} {us:>8.2f} {us_other:>8.2f} {us / us_other:>7.3f}")
         rows.append({"loop": name, "us": us, "us_against": us_other, "ratio": us / us_other})
     print(f"(other: {label})")
@@ -234,16 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         return (time.perf_counter() - t0) / (args.calls // 10) * 1e6, 0
 
     steps = max(1000, args.calls // 10)
-    fixed, walk = [min(32, planner.max_batch)], served_batches(planner.max_batch)
+    walk, jumps = served_batches(planner.max_batch), [1 + (i * 37) % planner.max_batch for i in range(512)]
     loops: dict[str, Any] = {
-        "plan": plan_us, "ride": ride_us,
-        "fixed": lambda: step_us(planner, steps, fixed),
-        "var": lambda: step_us(planner, steps, [1 + (i * 37) % planner.max_batch for i in range(512)]),
-        "walk": lambda: step_us(planner, steps, walk),
-        "steady_fixed": lambda: step_us(planner, steps, fixed, steady=True),
-        "steady_walk": lambda: step_us(planner, steps, walk, steady=True),
-        "sampled_fixed": lambda: sampled_us(planner, steps, fixed),
-        "sampled_walk": lambda: sampled_us(planner, steps, walk),
+        "plan": plan_us, "ride": ride_us, "var": lambda: step_us(planner, steps, jumps),
+        **{key: partial(loop, planner, steps, walk) for key, _, loop in STEP_LOOPS},
     }
     # the best of --rounds interleaved rounds per loop: one pass on a shared host reads up to 2x
     # its best (a loop's other figure, plans moved or decisions, is the same in every round)

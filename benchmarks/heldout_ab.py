@@ -81,6 +81,7 @@ def served(name: str) -> tuple[str | None, str | None]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from spectune.engine.bench import BenchConfig, run_sources
+    from spectune.engine.bench_accounting import captured_runs
     from spectune.errors import SpectuneError
 
     picked = [n.strip().partition("@") for n in args.sources.split(",") if n.strip()]
@@ -122,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>10} {r['concurrency']:>5} {label:>8} {r['best_other']:>10} "
                       f"{_ci(r['vs_best_other'], r['vs_best_other_ci95']):>24} "
                       f"{_ci(r['vs_plain'], r['vs_plain_ci95']):>24} {timed_out.get(r['concurrency'], 0):>9}")
-    captured = [f"{n}: {r['arm']}@{r['concurrency']}" for n, res in zip(names, results, strict=True)
-                for r in res["rows"] if r.get("graph_captures_in_run")]
-    if captured:  # (a capture stalls its step: the run reads low)
+    captured = [f"{n}: {run}" for n, res in zip(names, results, strict=True) for run in captured_runs(res["rows"])]
+    if captured:
         print(f"warning: {len(captured)} timed runs captured CUDA graphs inside the run: {', '.join(captured)}",
               file=sys.stderr)
     (out / f"heldout_summary_{args.tag}.json").write_text(json.dumps(

@@ -556,6 +556,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
     from spectune.engine.bench import DEFAULT_PREFILL_BUDGET, BenchConfig, run_bench
+    from spectune.engine.bench_accounting import captured_runs
     from spectune.runtime.prefill_plan import RIDE_PIECES
 
     if (args.prompt_len or 0) + (args.max_new_tokens or 0) > BENCH_MAX_TOKENS:
@@ -627,7 +628,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"note: {ties} requests diverge from plain greedy decoding at near ties ({head['near_tie_tolerance']}, "
               f"{head['dtype']}): numerical, not a defect; run --dtype float32 for the exactness gate "
               f"(see docs/BENCH_METHOD.md)", file=sys.stderr)
-    captured = [f"{r['arm']}@{r['concurrency']}" for r in results["rows"] if r.get("graph_captures_in_run")]
+    captured = captured_runs(results["rows"])
     if captured:
         print(f"warning: {len(captured)} timed runs captured CUDA graphs inside the run ({', '.join(captured[:6])}"
               f"{', ...' if len(captured) > 6 else ''}): each capture stalls a step, so their throughput reads low "

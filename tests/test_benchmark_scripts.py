@@ -830,7 +830,7 @@ def test_bench_planner_times_another_planner_beside_this_one(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     mod.main(["--calls", "2000", "--rounds", "1", "--against-file", planner.__file__, "--out", str(out)])
     res = json.loads(out.read_text())
-    assert [r["loop"] for r in res["rows"]] == [name for name, _ in mod.STEP_LOOPS] and len(res["rows"]) == 6
+    assert [r["loop"] for r in res["rows"]] == [name for _, name, _ in mod.STEP_LOOPS] and len(res["rows"]) == 6
     assert all(r["us"] > 0 and r["us_against"] > 0 and r["ratio"] == r["us"] / r["us_against"] for r in res["rows"])
     assert "counted per request, a server's batch" in capsys.readouterr().out
     with pytest.raises(SystemExit):

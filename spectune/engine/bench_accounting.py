@@ -227,6 +227,12 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str = "decode_tok_s") -> d
 # one results row
 
 
+def captured_runs(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """``arm@concurrency`` of every timed run that captured CUDA graphs inside the run
+    (``graph_captures_in_run``): a capture stalls its step, so the run's throughput reads low."""
+    return [f"{r['arm']}@{r['concurrency']}" for r in rows if r.get("graph_captures_in_run")]
+
+
 def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float | None:
     if not values:
         return None

@@ -183,6 +183,16 @@ def test_near_tie_tolerance_is_absolute_or_relative():
     assert tol.holds(0.0, -3.0) and not tol.holds(float("nan"), 1.0)
 
 
+def short_bench(tmp_path, arms):
+    """(policy, results) of a one-repeat CPU bench at concurrency 2 of these arms (2 requests)."""
+    policy = write_policy(tmp_path / "policy.yaml")
+    out = tmp_path / "r.json"
+    args = ["--concurrency", "2", "--arms", arms, "--repeats", "1", "--prompts", "2", "--max-new-tokens", "6",
+            "--prompt-len", "5", "--device", "cpu", "--no-progress"]
+    assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
+    return policy, out
+
+
 def test_bench_classifies_a_forced_near_tie(tmp_path, monkeypatch):
     # a fixed arm whose verification picks the second-best token at output index 3 of request 0:
     # the plain margin there is real; with a tolerance above it the divergence is a near tie
@@ -197,11 +207,7 @@ def test_bench_classifies_a_forced_near_tie(tmp_path, monkeypatch):
         return real(arm, concurrency, res, reading, plain, predicted, tolerance)
 
     monkeypatch.setattr(bench, "row_for", flipped)
-    policy = write_policy(tmp_path / "policy.yaml")
-    out = tmp_path / "r.json"
-    args = ["--concurrency", "2", "--arms", "plain,fixed:2,auto", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "6",
-            "--prompt-len", "5", "--device", "cpu", "--no-progress"]
-    assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
+    _, out = short_bench(tmp_path, "plain,fixed:2,auto")
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert seen["margin"] > 0
     assert (rows["fixed:2"]["near_tie_mismatches"], rows["fixed:2"]["hard_mismatches"]) == (1, 0)
@@ -341,11 +347,7 @@ def test_auto_prepares_every_drafter_shape_its_controller_may_plan(tmp_path, mon
         return real(self, ks, concurrency, draft_shapes)
 
     monkeypatch.setattr(Engine, "prepare", recorded)
-    policy = write_policy(tmp_path / "policy.yaml")
-    out = tmp_path / "r.json"
-    args = ["--concurrency", "2", "--arms", "fixed:2,auto", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "6",
-            "--prompt-len", "5", "--device", "cpu", "--no-progress"]
-    assert main(["bench", "--policy", str(policy), "--out", str(out), *args]) == 0
+    policy, _ = short_bench(tmp_path, "fixed:2,auto")
     plain, fixed, auto = calls  # (plain: the reference outputs, run first)
     assert plain == ([0], 2, {}) and fixed == ([2], 2, {})
     from spectune.runtime.planner import load
