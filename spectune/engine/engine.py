@@ -250,8 +250,9 @@ class Engine:
         """Capture the drafter graphs a run at ``concurrency`` with these K values will replay (and
         those of ``draft_shapes``, K -> the largest batch it may draft at: what an adaptive policy
         may move to, ``Planner.draft_shapes``) and, with mixed prefill on CUDA, the riding step
-        graphs of every tier up to the one a full batch drafting max(ks) each needs (later ones
-        are captured when first used)."""
+        graphs of every tier up to the one a full batch drafting max(ks) each needs, or a batch of
+        ``draft_shapes`` drafting its K (``mixed.ride_shapes``; any other is captured when first
+        used)."""
         rows = {k: min(concurrency, self.max_batch) for k in ks}
         for k, b in (draft_shapes or {}).items():
             rows[k] = max(rows.get(k, 0), min(b, concurrency, self.max_batch))
@@ -259,7 +260,7 @@ class Engine:
             self.drafts.prepare(k, rows[k])
         if self.mixed is not None and self.pool.capture:
             for tier, verify, ride in ride_shapes(self.tiers, ks, min(concurrency, self.max_batch),
-                                                  self.mixed.buckets):
+                                                  self.mixed.buckets, draft_shapes):
                 self.pool.prepare_ride(tier, verify, ride)
 
     def warm_prefill(self, prompt_lens: Sequence[int], max_group: int) -> None:

@@ -34,7 +34,7 @@ per (tier, verify, P), captured when first needed (``GraphPool.prepare_ride``, c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -114,11 +114,16 @@ class MixedPrefill:
 
 
 def ride_shapes(tiers: Sequence[int], ks: Sequence[int], concurrency: int,
-                buckets: Sequence[int]) -> list[tuple[int, bool, int]]:
+                buckets: Sequence[int], draft_shapes: Mapping[int, int] | None = None) -> list[tuple[int, bool, int]]:
     """(tier, verify, P) of the riding steps a run at ``concurrency`` with these K values is
-    likely to use: every tier up to the one a full batch drafting max(ks) each needs, and the
+    likely to use: every tier up to the one a full batch drafting max(ks) each needs, or a batch
+    of ``draft_shapes`` (K -> the largest batch it may draft at, ``Planner.draft_shapes``: an
+    adaptive policy's deeper K at smaller batches) drafting its K, whichever is larger; and the
     smallest tier's decode step (no live row)."""
-    top = next((t for t in tiers if t >= concurrency * (1 + max(ks, default=0))), tiers[-1])
+    need = concurrency * (1 + max(ks, default=0))
+    for k, b in (draft_shapes or {}).items():
+        need = max(need, min(b, concurrency) * (1 + k))
+    top = next((t for t in tiers if t >= need), tiers[-1])
     verify = sorted({k > 0 for k in ks})
     shapes = {(t, v, p) for t in tiers if t <= top for v in verify for p in buckets}
     shapes.update((tiers[0], False, p) for p in buckets)

@@ -318,6 +318,20 @@ def test_ride_shapes_cover_a_full_batch_at_the_largest_k():
     assert (1, False, 16) in ride_shapes([1, 4], [2], 1, [16]) and (1, True, 16) in ride_shapes([1, 4], [2], 1, [16])
 
 
+def test_ride_shapes_cover_a_deeper_k_at_a_smaller_batch():
+    # an adaptive policy drafts deeper at small batches than the table's K at the run's
+    # concurrency (``Planner.draft_shapes``): its riding steps' tiers are captured too
+    tiers = [1, 4, 8, 16, 32, 64]
+    base = ride_shapes(tiers, [0, 1], 8, [16])
+    assert max(t for t, _, _ in base) == 16  # 8 rows x (1 + 1)
+    deeper = ride_shapes(tiers, [0, 1], 8, [16], {1: 8, 7: 4})
+    assert max(t for t, _, _ in deeper) == 32 and (32, True, 16) in deeper  # 4 rows x (1 + 7)
+    assert set(base) < set(deeper)
+    # a K's batch past the run's concurrency counts at the concurrency
+    assert max(t for t, _, _ in ride_shapes(tiers, [0, 1], 8, [16], {3: 64})) == 32  # 8 x 4
+    assert ride_shapes(tiers, [0, 1], 8, [16], {}) == base
+
+
 def test_bad_budget_and_ride_name_the_field(rig):
     e = rig.engine
     with pytest.raises(EngineError, match="prefill_budget"):
@@ -358,6 +372,13 @@ def test_captured_mixed_prefill_on_cuda_matches_separate_prefill():
     assert spec.outputs == base.outputs and spec.mean_accept_len > 1.0
     again = mixed.run(requests, FixedPolicy(3, tiers), concurrency=4)
     assert again.outputs == base.outputs and again.captures == 0  # every graph captured once
+    # a K deeper than the run's own at its batch (``Planner.draft_shapes``): its drafter graphs
+    # and its riding steps' tiers are captured ahead, none inside the run
+    deep = engine(True)
+    deep.prepare([0, 1], 3, {3: 3})
+    assert any(t == 12 for t, _, _ in deep.pool.ride_graphs)  # 3 rows x (1 + 3)
+    res = deep.run(requests, FixedPolicy(3, tiers), concurrency=3)
+    assert res.outputs == base.outputs and res.captures == 0
 
 
 def test_bench_with_mixed_prefill_runs_no_prefill_forward_and_stays_exact(tmp_path):
