@@ -358,7 +358,7 @@ def test_captured_mixed_prefill_on_cuda_matches_separate_prefill():
     def engine(mixed: bool) -> Engine:
         return Engine(target, tiers=tiers, max_batch=MAX_BATCH, max_k=MAX_K, max_len=max_len, num_blocks=blocks,
                       device="cuda", block_size=BLOCK, proposer=replay, prefill_chunk=CHUNK, mixed_prefill=mixed,
-                      prefill_budget=16)
+                      prefill_budget=16, ride_limit=RIDE_ALL if mixed else None)  # every admission rides
 
     base = engine(False).run(requests, FixedPolicy(0, tiers), concurrency=3)
     mixed = engine(True)
