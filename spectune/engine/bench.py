@@ -495,7 +495,7 @@ def run_sources(config: BenchConfig, sources: Sequence[tuple[str | None, str | N
         power = _power(device)
         references: dict[int, RunResult] = {}
         for one, cs in zip(served, own, strict=True):
-            header = _header(config, setup, one, device, prompt_len, max_new, tf32, tolerance)
+            header = _header(config, setup, one, device, prompt_len, max_new, tf32, tolerance, {c: counts[c] for c in cs})
             write = _writer(one.out, header, on_row)
             rows = _serve_all(setup, config, one, cs, counts, limit, tolerance, power, references, write)
             results.append(write(rows, True))
@@ -527,7 +527,7 @@ def _power(device: torch.device) -> Any:
 
 
 def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.device, prompt_len: int, max_new: int,
-            tf32: bool | None, tolerance: NearTie) -> dict[str, Any]:
+            tf32: bool | None, tolerance: NearTie, requests: dict[int, int]) -> dict[str, Any]:
     hw, sw = hardware_facts(device), software_facts()
     tuned = setup.planner.table.acceptance
     return {
@@ -537,6 +537,7 @@ def _header(config: BenchConfig, setup: Setup, served: Served, device: torch.dev
         "triton": sw.triton, "method": METHOD_TOKENS if served.tokens else METHOD, "acceptance": served.source,
         "tuned_acceptance": tuned.get("source") if tuned else None, "drift": served.drift is not None,
         "repeats": config.repeats, "arms": {str(c): list(a) for c, a in served.arms.items()},
+        "requests": {str(c): n for c, n in requests.items()},  # per concurrency, each run (older runs: no key)
         "prompt_len": prompt_len, "max_new_tokens": max_new, "dtype": setup.dtype,
         "device": str(device), "seed": config.seed, "tiers": ",".join(map(str, setup.engine.tiers)),
         "tf32": tf32, "near_tie_tolerance": str(tolerance),

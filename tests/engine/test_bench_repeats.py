@@ -39,6 +39,7 @@ def test_default_arms_repeats_drift_and_summary(tmp_path, capsys):
     head = data["header"]
     assert head["acceptance"].startswith(f"drift: {HIGH} -> {LOW}") and head["drift"] is True
     assert head["tuned_acceptance"] == "curve:0.8,0.6,0.45" and head["repeats"] == 2
+    assert head["requests"] == {"2": 4}  # each run's requests, per concurrency
     arms = head["arms"]["2"]
     assert arms[0] == "plain" and arms[-1] == "auto" and 2 <= len(arms) - 2 <= 3  # best K and neighbours
     runs = [(r["repeat"], r["arm"]) for r in data["rows"]]

@@ -23,6 +23,7 @@ def test_heldout_script_writes_one_results_file_per_source(tmp_path, capsys):
     assert drift["header"]["acceptance"].startswith("drift: curve:0.9,") and drift["header"]["drift"] is True
     for res in (low, drift):
         assert res["header"]["tuned_acceptance"] == "curve:0.8,0.6,0.45" and res["header"]["complete"]
+        assert res["header"]["requests"] == {"1": 3, "2": 3}
         assert {r["repeat"] for r in res["rows"]} == {0, 1}
         assert {r["concurrency"] for r in res["summary"]["ratios"]} == {1, 2}
         assert {r["concurrency"] for r in res["summary_full_load"]["ratios"]} == {1, 2}
