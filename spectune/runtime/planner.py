@@ -94,7 +94,11 @@ within z * sqrt(u_K^2 + u_choice^2)), runs a block of ``TRIAL_STEPS`` steps in a
 batch 10, below), as often as what it loses allows (every block length * loss / (``TRIAL_COST`` *
 margin) steps, so trials cost at most that fraction of the margin). The decision right after a trial takes the tried K if it scores at
 least the choice: its tokens were measured in a block of their own, the choice's are a prediction
-(a wrong move is a close call, and the old choice is tried in turn). Page's test compares a block
+(a wrong move is a close call, and the old choice is tried in turn). Plain decoding is tried
+that way once against a choice of K = 1 that was never weighed against it -- the table's, from a
+start or a change, or one a trial took from plain on its point estimate -- from batch 10 and on
+``PLAIN_TRY_EVIDENCE`` first drafts, where it is a close call still unresolved; not as a standing
+close call (a plain block tests no draft). Page's test compares a block
 of a K with counts of its own against those counts, so moving between K's is no shift. Where
 acceptance does not depend on K, each K's counts agree with the pooled ones (c_K ~ 1) and a trial
 confirms the model at a cost below TRIAL_COST * margin. They agree up to their noise only, and a
@@ -197,6 +201,7 @@ MIN_CHANGE_DRAFTS = 16.0  # tested drafts the fast window needs before the chang
 PHI_CLIP = 4.0  # a decision's D^2 enters phi clipped at PHI_CLIP * phi (a shift must not teach phi)
 PHI_MAX = 4.0  # overdispersion cap: a slow shift below the change test must not widen the bounds for good
 PLAIN_EVIDENCE = 128.0  # tested first drafts a drafting choice needs before it may turn plain (``_decide``)
+PLAIN_TRY_EVIDENCE = 16 * PLAIN_EVIDENCE  # tested first drafts before plain is tried against a K = 1 (``_decide``)
 EARLY_FOLD_DRAFTS = 4 * PLAIN_EVIDENCE  # a block holding this many first drafts, and as many as the estimate, is
 # decided on at once (``observe``): at batch 256, two steps; below batch 64, never sooner than the block
 PROBE_STEP = 2  # a probe runs at most this many drafts more than the current choice
@@ -305,7 +310,10 @@ class OnlineState:
     trial: list[Plan | None] = field(default_factory=list)
     trial_left: list[int] = field(default_factory=list)
     trial_at: list[float] = field(default_factory=list)
-    tried: list[int] = field(default_factory=list)  # K of a trial that ended, not yet judged (0: none)
+    tried: list[int] = field(default_factory=list)  # K of a trial that ended, not yet judged (-1: none)
+    # plain decoding is to be tried once against the batch size's drafting choice: the table's
+    # (from a start or a change) or one a trial took from plain on its point estimate
+    try_plain: list[bool] = field(default_factory=list)
     due: list[float] = field(default_factory=list)  # the step a close call's trial falls due (``_stale``)
     trials: int = 0  # trial blocks started
     # measured step times (``Planner.observe_time``; not traffic, so a change keeps them): per
@@ -1026,7 +1034,7 @@ class Planner:
         last fold, and re-deciding each was a third of the host time there. The fold's own
         decision of the batch it ran (``observe``) is made every fold as before."""
         s = self._s
-        return s.decided_v[b] != self._version() or s.tried[b] != 0 or s.steps >= s.due[b] \
+        return s.decided_v[b] != self._version() or s.tried[b] >= 0 or s.steps >= s.due[b] \
             or s.steps - s.decided_at[b] >= REUSE_FOLDS * self.online.decide_every
 
     def _version(self) -> int:
@@ -1091,7 +1099,7 @@ class Planner:
         trial: Plan | None = None  # the best unresolved close call of another K
         trial_g = tok_cur[1] / cur_ms * (1.0 - TRIAL_GAP)
         z = self.online.z
-        tried, s.tried[b] = s.tried[b], 0
+        tried, s.tried[b] = s.tried[b], -1
         tried_p: Plan | None = None  # the best shape of the K a trial just measured
         tried_g = tok_cur[1] / cur_ms
         best, best_lb = cur, 1.0 + self.online.margin
@@ -1108,6 +1116,17 @@ class Planner:
         best_ms = probe_ms = cur_ms
         ut = 0.0
         cur_k, sqrt = cur.k, math.sqrt
+        # plain decoding tried once against a choice of K = 1 never weighed against it: the table's
+        # (a start, a change) or one a trial took from plain on its point estimate. Without it only a
+        # gain past the margin by its lower bound returned to plain: MT-Bench n-gram at batch 64 kept
+        # the table's K = 1 after a change, 0.985 of plain in simulation and 0.981 on an H100, where
+        # plain leads by 1.2-2 %. Not as a standing close call: a plain block tests no draft, and on
+        # span traffic the drafting steps after it accept less (tried at every tie, K = 1's lead of
+        # 5 % on MT-Bench n-gram read 0.984). From a deeper K the way to plain is through K = 1, and
+        # on PLAIN_TRY_EVIDENCE first drafts: tried from the table's K after each change, on a
+        # post-change estimate of 500-800 drafts, HumanEval n-gram at batch 64 lost 0.5 % where K = 1
+        # leads by 11 %
+        try_plain = s.try_plain[b] and cur_k == 1 and wide and self.evidence >= PLAIN_TRY_EVIDENCE
         for p, ms, q, r, k, f_p in self._loop[b]:  # _tokens inlined: this loop is the controller's host time
             if timed:  # (``_timing`` inlined: a shape not timed takes its pool's offset)
                 nm = shapes.get(p)
@@ -1130,11 +1149,11 @@ class Planner:
                 blind_g = t_mid / ms
             if p is cur:
                 continue
-            if k != cur_k and k and t_mid > trial_g * ms and (n_k < REGIME_SHRINK or t_mid * (
+            if k != cur_k and t_mid > trial_g * ms and (k or try_plain) and (k and n_k < REGIME_SHRINK or t_mid * (
                     1.0 + z * sqrt(u * u + u_cur * u_cur + ut * ut + ut_cur * ut_cur)) > need * ms):
                 trial, trial_g = p, t_mid / ms  # unresolved: no counts of its own, or it may still win
                 # (by its tokens, or by a time not measured yet: a trial times it too)
-            if tried and k == tried and t_mid > tried_g * ms:
+            if k == tried and t_mid > tried_g * ms:
                 tried_p, tried_g = p, t_mid / ms
             if t_mid <= need * ms or (not k and thin):
                 continue  # the point estimate's gain is below the margin, so is its lower bound
@@ -1153,6 +1172,8 @@ class Planner:
         if best != cur:
             s.choice[b] = best
             s.trial[b] = None
+            if not cur.k:  # from plain: tried back once where a trial took it on its point estimate
+                s.try_plain[b] = best is tried_p
         elif trial is not None and trials and s.trial[b] is None and best_lb != math.inf \
                 and (n_cur >= REGIME_SHRINK if cur.k else wide):
             # a close call of another K without counts of its own (or one whose gain they do not
@@ -1172,6 +1193,7 @@ class Planner:
             if s.steps - s.trial_at[b] >= wait:
                 s.trial[b], s.trial_left[b], s.trial_at[b] = trial, steps, s.steps
                 s.trials += 1
+                s.try_plain[b] = s.try_plain[b] and trial.k > 0
             else:  # (``_stale``: the step from which this decision would start the trial)
                 s.due[b] = s.trial_at[b] + wait
         s.probe[b] = probe = probe if probe != best else None
@@ -1326,7 +1348,8 @@ class Planner:
 
     def _clear_trials(self) -> None:
         s, n = self._s, self.max_batch + 1
-        s.trial, s.trial_left, s.trial_at, s.tried = [None] * n, [0] * n, [-math.inf] * n, [0] * n
+        s.trial, s.trial_left, s.trial_at, s.tried = [None] * n, [0] * n, [-math.inf] * n, [-1] * n
+        s.try_plain = [True] * n
         s.due = [math.inf] * n
 
     def _reset_estimate(self, block: tuple[list[float], list[float]] | None = None) -> None:
