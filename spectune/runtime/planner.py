@@ -286,6 +286,7 @@ class OnlineState:
     steps: int = 0  # observed steps
     folded: int = 0  # observed steps already folded into A/T
     since_probe: int = 0
+    pg_at: float = 0.0  # the block's tested first drafts at which its in-block change test runs next (``observe``)
     last_batch: int | None = None
     changes: int = 0  # change-detector resets
     probes: int = 0  # probe steps run
@@ -653,14 +654,16 @@ class Planner:
         s.steps += 1
         every = self.online.decide_every
         if s.steps - s.folded < every and not (off[0] and (
-                s.pt[0] >= EARLY_FOLD_DRAFTS and s.pt[0] >= s.T[0] or s.pt[0] >= every and self._page_fires())):
+                s.pt[0] >= EARLY_FOLD_DRAFTS and s.pt[0] >= s.T[0] or s.pt[0] >= s.pg_at and self._page_due())):
             return  # estimate, test and decide every decide_every observed steps; sooner when the
             # block so far holds enough first drafts to act on and as many as the estimate (after a
             # reset, a cold start or a long plain spell: at batch 256 two steps, where waiting out
             # the block ran the table's K = 1 for 3-9 steps of HumanEval n-gram that plain wins),
             # or when it already carries Page's test past its limit -- a shift shows in a step --
-            # once it has tested as many first drafts as a block of batch 1 does: fewer are
-            # noise, at batch 1 the early test cost 1 % on a drift and 0.6 % on a two-class mix
+            # once it has tested as many first drafts as a block of batch 1 does (fewer are
+            # noise, at batch 1 the early test cost 1 % on a drift and 0.6 % on a two-class mix),
+            # and again each time they have doubled (``_page_due``: run every step, the test was
+            # 8-12 % of a step's host time; the held-out matrix reads level with the doubling)
         block = self._fold()
         if self._changed():  # forget the old traffic (its deep positions would stay stale) and
             s.changes += 1  # its choices: back to the table until the new traffic is measured
@@ -783,6 +786,7 @@ class Planner:
         self._fold_regime()
         s.pa, s.pt = [0.0] * self.k_hi, [0.0] * self.k_hi
         s.folded = s.steps
+        s.pg_at = self.online.decide_every
         self._estimate()
         return block
 
@@ -828,6 +832,13 @@ class Planner:
         """Whether Page's test of the blocks folded so far (``_page``) signals a change."""
         s = self._s
         return max(s.rise, s.fall) > CUSUM_LIMIT or s.block_fires
+
+    def _page_due(self) -> bool:
+        """``_page_fires`` of the block so far, run where its tested first drafts have doubled since
+        the last run in this block (from ``decide_every``): a handful of runs a block."""
+        s = self._s
+        s.pg_at = 2.0 * s.pt[0]
+        return self._page_fires()
 
     def _page_fires(self) -> bool:
         """Whether the block so far, ended now, would carry Page's test past its limit."""
@@ -1385,6 +1396,7 @@ class Planner:
         s.h_fold = (s.hA, s.hT, s.mA, s.mT, s.h_at)
         s.burst = None
         s.folded = s.steps
+        s.pg_at = self.online.decide_every
         s.version, s.v_ref = s.version + 1, None  # (``_version``: a new estimate, decided on afresh)
         self._estimate()
 
